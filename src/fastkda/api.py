@@ -1,0 +1,171 @@
+"""Public operators: validate -> KDAOptions -> backend registry. Same names and defaults as
+``fla.ops.kda`` (SPEC section 3)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from .backends import registry
+from .options import chunk_options, recurrent_options
+
+__all__ = ["chunk_kda", "fused_recurrent_kda", "explain"]
+
+_AUTOCAST_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _autocast_qkv(q, k, v):
+    """Under torch.autocast, q/k/v take the autocast dtype (like a matmul's operands); the op
+    itself then runs with autocast off. Returns (q, k, v, context)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return q, k, v, contextlib.nullcontext()
+    dev = q.device.type
+    try:
+        enabled = torch.is_autocast_enabled(dev)
+    except (TypeError, RuntimeError):  # device types without autocast
+        enabled = False
+    if not enabled:
+        return q, k, v, contextlib.nullcontext()
+    dt = torch.get_autocast_dtype(dev)
+    q, k, v = (t.to(dt) if t.dtype in _AUTOCAST_CASTABLE else t for t in (q, k, v))
+    return q, k, v, torch.autocast(dev, enabled=False)
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    cp_context=None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    chunk_size: int = 64,
+):
+    """Chunked Kimi Delta Attention, forward and backward (training and prefill).
+
+    Args:
+        q, k: ``[B, T, H, K]``. v: ``[B, T, HV, V]`` with ``HV % H == 0`` (GVA when ``HV > H``).
+        g: ``[B, T, HV, K]``: the log-space decay, or the raw gate input with ``use_gate_in_kernel``.
+        beta: ``[B, T, HV]``: post-sigmoid beta, or logits with ``use_beta_sigmoid_in_kernel``.
+        scale: multiplies q; defaults to ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` float32 (``[N, HV, V, K]`` with ``state_v_first``).
+        output_final_state: also return the last state of every sequence (float32).
+        use_qk_l2norm_in_kernel: ``q <- q / sqrt(|q|^2 + 1e-6)``, k likewise.
+        use_gate_in_kernel: ``g <- -exp(A_log) softplus(g + dt_bias)``, or with ``lower_bound``
+            ``g <- lower_bound * sigmoid(exp(A_log) (g + dt_bias))`` (``A_log`` optional then).
+        use_beta_sigmoid_in_kernel / allow_neg_eigval: ``beta <- sigmoid(beta)`` (times 2).
+        safe_gate: promise that every gate lies in ``[lower_bound, 0)`` with ``-5 <= lower_bound < 0``;
+            enables the fast intra-chunk path.
+        disable_recompute: keep forward intermediates for backward instead of recomputing them.
+        return_intermediate_states: also return ``h``, the state at the start of every chunk,
+            ``[B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``); inference mode only.
+        state_v_first: states are ``[V, K]`` instead of ``[K, V]``.
+        cu_seqlens: ``[N+1]`` int32/int64 sequence boundaries of a flattened batch (B = 1);
+            cu_seqlens_cpu: its host copy, saves a device-to-host copy.
+        cp_context: context parallelism (not available yet).
+        A_log: ``[HV]``; dt_bias: ``[HV*K]``; chunk_size: 32 or 64.
+
+    Returns:
+        ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states``.
+        ``o`` has the dtype of ``v``; ``final_state`` is None unless asked for.
+    """
+    q, k, v, ctx = _autocast_qkv(q, k, v)
+    opts, inputs = chunk_options(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+        return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, A_log=A_log,
+        dt_bias=dt_bias, chunk_size=chunk_size,
+    )
+    with ctx:
+        o, final, h = registry.dispatch("chunk_kda", opts, inputs)
+    if return_intermediate_states:
+        return o, final, h
+    return o, final
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    inplace_final_state: bool = False,
+):
+    """Token-by-token Kimi Delta Attention for decoding, with serving-engine state pools.
+
+    Arguments as :func:`chunk_kda`, plus:
+        ssm_state_indices: ``[N]`` slot of every sequence in the pool passed as ``initial_state``
+            (``[num_slots, HV, K, V]``); ``-1`` marks a padding sequence: zero output, nothing
+            touched. ``[N, 1 + num_draft]`` for speculative decoding.
+        num_accepted_tokens: ``[N]``; sequence n starts from slot
+            ``ssm_state_indices[n, num_accepted_tokens[n] - 1]``.
+        inplace_final_state: write the final state into ``initial_state`` (at the slots of
+            ``ssm_state_indices``; with speculative decoding the state after token t goes to slot
+            ``ssm_state_indices[n, t]``). The returned final state is then that tensor.
+
+    Returns:
+        ``(o, final_state)``; ``final_state`` is ``[N, HV, K, V]`` float32 with
+        ``output_final_state``, the updated pool with ``inplace_final_state``, else None.
+    """
+    q, k, v, ctx = _autocast_qkv(q, k, v)
+    opts, inputs = recurrent_options(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+        inplace_final_state=inplace_final_state,
+    )
+    with ctx:
+        return registry.dispatch("fused_recurrent_kda", opts, inputs)
+
+
+def explain(fn, *args, **kwargs) -> tuple[str, list[tuple[str, str]]]:
+    """Which backend ``fn`` (:func:`chunk_kda` or :func:`fused_recurrent_kda`) would run for these
+    arguments, and the ``(backend, reason)`` of every backend considered. Validates like the call."""
+    builders = {chunk_kda: ("chunk_kda", chunk_options), fused_recurrent_kda: ("fused_recurrent_kda", recurrent_options)}
+    if fn not in builders:
+        raise TypeError(f"`fn` must be fastkda.chunk_kda or fastkda.fused_recurrent_kda, got {fn!r}")
+    op, build = builders[fn]
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    call = dict(bound.arguments)
+    tensors = [call.pop(n) for n in ("q", "k", "v", "g", "beta")]
+    q, k, v, _ = _autocast_qkv(*tensors[:3])
+    opts, inputs = build(q, k, v, *tensors[3:], **call)
+    backend, reasons = registry.select(op, opts, inputs)
+    return backend.name, reasons

@@ -1,0 +1,123 @@
+"""Backend registry: each call goes to the first backend, by priority, whose verifier accepts it.
+
+A verifier returns ``(ok, reason)``; every reason is logged at debug level (logger
+``fastkda.backends``). Environment:
+
+- ``FASTKDA_BACKEND=<name>`` forces one backend; a call it cannot serve raises
+  :class:`BackendUnavailableError` with the verifier's reason (never a silent fallback).
+- ``FASTKDA_DISABLE_BACKENDS=<name>[,<name>...]`` forbids backends.
+
+:func:`use_backend` does the same as ``FASTKDA_BACKEND`` for a ``with`` block (thread-local).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from typing import Any, Iterator
+
+log = logging.getLogger("fastkda.backends")
+
+OPS = ("chunk_kda", "fused_recurrent_kda", "kda_gate", "kda_gate_chunk_cumsum")
+
+
+class BackendUnavailableError(RuntimeError):
+    """The forced backend cannot serve this call, or no backend can."""
+
+
+class Backend:
+    """Base of every backend: a name, a priority (higher is tried first) and one method per op."""
+
+    name: str = "?"
+    priority: int = 0
+    ops: tuple[str, ...] = ()
+
+    def verify(self, op: str, opts: Any, inputs: Any) -> tuple[bool, str]:
+        """``(ok, reason)``: can this backend run ``op`` with these options and tensors?"""
+        raise NotImplementedError
+
+    def run(self, op: str, opts: Any, inputs: Any):
+        return getattr(self, op)(opts, inputs)
+
+
+_BACKENDS: dict[str, Backend] = {}
+_local = threading.local()
+
+
+def register(backend: Backend) -> Backend:
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def backends() -> list[Backend]:
+    """Registered backends, highest priority first."""
+    return sorted(_BACKENDS.values(), key=lambda b: -b.priority)
+
+
+def get(name: str) -> Backend:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise BackendUnavailableError(f"unknown fastkda backend {name!r}; registered: {sorted(_BACKENDS)}") from None
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Force ``name`` (or lift a forcing with None) inside the block, for this thread."""
+    if name is not None:
+        get(name)
+    prev = getattr(_local, "forced", "unset")
+    _local.forced = name
+    try:
+        yield
+    finally:
+        if prev == "unset":
+            del _local.forced
+        else:
+            _local.forced = prev
+
+
+def forced_backend() -> str | None:
+    forced = getattr(_local, "forced", "unset")
+    if forced != "unset":
+        return forced
+    return os.environ.get("FASTKDA_BACKEND") or None
+
+
+def _disabled() -> set[str]:
+    return {s.strip() for s in os.environ.get("FASTKDA_DISABLE_BACKENDS", "").split(",") if s.strip()}
+
+
+def select(op: str, opts: Any, inputs: Any) -> tuple[Backend, list[tuple[str, str]]]:
+    """The backend for this call and the (name, reason) of every backend considered."""
+    forced = forced_backend()
+    reasons: list[tuple[str, str]] = []
+    if forced is not None:
+        backend = get(forced)
+        ok, reason = backend.verify(op, opts, inputs) if op in backend.ops else (False, f"does not implement {op}")
+        log.debug("%s: forced backend %s: ok=%s (%s)", op, forced, ok, reason)
+        if not ok:
+            raise BackendUnavailableError(f"FASTKDA_BACKEND={forced} cannot run {op}: {reason}")
+        return backend, [(forced, reason)]
+    disabled = _disabled()
+    for backend in backends():
+        if backend.name in disabled:
+            reasons.append((backend.name, "disabled by FASTKDA_DISABLE_BACKENDS"))
+            continue
+        if op not in backend.ops:
+            reasons.append((backend.name, f"does not implement {op}"))
+            continue
+        ok, reason = backend.verify(op, opts, inputs)
+        reasons.append((backend.name, reason))
+        log.debug("%s: backend %s: ok=%s (%s)", op, backend.name, ok, reason)
+        if ok:
+            return backend, reasons
+    detail = "; ".join(f"{n}: {r}" for n, r in reasons)
+    raise BackendUnavailableError(f"no fastkda backend can run {op}: {detail}")
+
+
+def dispatch(op: str, opts: Any, inputs: Any):
+    backend, _ = select(op, opts, inputs)
+    return backend.run(op, opts, inputs)

@@ -1,0 +1,103 @@
+"""``fastkda check``: both operators over a matrix of options against the float64 reference on
+the best available device; a pass/fail table. ``fastkda bench``: see :mod:`fastkda.bench`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from . import platform
+from .api import chunk_kda, explain, fused_recurrent_kda
+from .backends import use_backend
+from .testing import AXES, TOLERANCE, Case, grow, make_inputs, reference, rel_rms
+
+GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
+
+def _check_case(name: str, case: Case, device: str, backward: bool, seed: int):
+    """Rows (op, case, backend, error, limit) for one case."""
+    gen = torch.Generator().manual_seed(seed)
+    x = make_inputs(case, device=device, requires_grad=backward, generator=gen)
+    tol = TOLERANCE[case.dtype]
+    rows = []
+    backend, _ = explain(chunk_kda, **x, chunk_size=case.chunk_size)
+    o, s = chunk_kda(**x, chunk_size=case.chunk_size)
+    o_r, s_r = reference(x)
+    err = max(rel_rms(o, o_r), rel_rms(s, s_r) if s is not None else 0.0)
+    rows.append(("chunk_kda fwd", name, backend, err, tol))
+    if backward:
+        leaves = [x[n] for n in GRAD_INPUTS if isinstance(x.get(n), torch.Tensor)]
+        do = torch.randn(o.shape, generator=gen).to(o)
+        ds = torch.randn(s.shape, generator=gen).to(s) if s is not None else None
+        loss = (o.float() * do.float()).sum() + ((s * ds).sum() if s is not None else 0)
+        loss_r = (o_r * do.double()).sum() + ((s_r * ds.double()).sum() if s is not None else 0)
+        got = torch.autograd.grad(loss, leaves, allow_unused=True)
+        want = torch.autograd.grad(loss_r, leaves, allow_unused=True)
+        err = max(rel_rms(a, b) if b is not None else 0.0 for a, b in zip(got, want))
+        rows.append(("chunk_kda bwd", name, backend, err, tol))
+    with torch.no_grad():
+        rx = {k: (t.detach() if isinstance(t, torch.Tensor) else t) for k, t in x.items() if k != "safe_gate"}
+        backend, _ = explain(fused_recurrent_kda, **rx)
+        o, s = fused_recurrent_kda(**rx)
+        err = max(rel_rms(o, o_r), rel_rms(s, s_r) if s is not None else 0.0)
+    rows.append(("fused_recurrent_kda", name, backend, err, tol))
+    return rows
+
+
+def check(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="fastkda check", description=__doc__)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
+    p.add_argument("--backend", default=None, help="force one backend (as FASTKDA_BACKEND)")
+    p.add_argument("--quick", action="store_true", help="a few cases only")
+    p.add_argument("--no-backward", action="store_true", help="skip gradients")
+    args = p.parse_args(argv)
+    device = args.device or platform.device
+    names = list(AXES)
+    if args.quick:
+        names = ["dense", "varlen", "gva", "softplus", "safe_lb-5", "bf16"]
+    print(f"fastkda check on {device} ({platform.device_name(device)}), torch {torch.__version__}")
+    header = f"{'op':<22}{'case':<22}{'backend':<10}{'rel. RMS error':>16}{'limit':>10}  result"
+    print(header)
+    print("-" * len(header))
+    failed, t0 = 0, time.perf_counter()
+    with use_backend(args.backend):
+        for i, name in enumerate(names):
+            case = grow(AXES[name], device != "cpu")
+            if device != "cpu" and case.T > 2048:
+                case = case.replace(T=2048)
+            try:
+                rows = _check_case(name, case, device, not args.no_backward, seed=1234 + i)
+            except Exception as e:  # report and carry on: the table is the product
+                rows = [("chunk_kda", name, "?", float("inf"), 0.0)]
+                print(f"  {name}: {type(e).__name__}: {e}", file=sys.stderr)
+            for op, case_name, backend, err, tol in rows:
+                ok = err <= tol
+                failed += not ok
+                print(f"{op:<22}{case_name:<22}{backend:<10}{err:>16.3e}{tol:>10.1e}  {'PASS' if ok else 'FAIL'}")
+    print("-" * len(header))
+    total = sum(1 for _ in names)
+    print(f"{'all passed' if not failed else f'{failed} FAILED'} ({total} cases, {time.perf_counter() - t0:.1f} s)")
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: fastkda {check,bench} [options]\n\n  check  correctness of both operators against the float64 reference\n  bench  timings over a shape sweep")
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "check":
+        return check(rest)
+    if cmd == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(rest)
+    print(f"fastkda: unknown command {cmd!r}; use check or bench", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,408 @@
+"""Every keyword option of the public operators, checked once and frozen.
+
+``chunk_options`` / ``recurrent_options`` / ``gate_options`` turn the ~20 keyword arguments of a
+call into a small frozen dataclass plus the tensors (:class:`KDAInputs`). Every rule of SPEC
+section 3 lives here and raises ``ValueError`` / ``TypeError`` naming the argument and the bad
+value before any work is done. Nothing below this module re-checks arguments.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_K = 256
+
+
+class GateMode(str, enum.Enum):
+    PREGATED = "pregated"  # g already is the log-space decay
+    SOFTPLUS = "softplus"  # g = -exp(A_log) * softplus(g + dt_bias)
+    LOWER_BOUND = "lower_bound"  # g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
+
+
+@dataclass(frozen=True)
+class KDAShape:
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int  # number of sequences: B, or len(cu_seqlens) - 1
+
+    @property
+    def group(self) -> int:  # value heads per q/k head
+        return self.HV // self.H
+
+
+@dataclass(frozen=True)
+class KDAOptions:
+    op: str  # "chunk" or "recurrent"
+    shape: KDAShape
+    scale: float
+    qk_l2norm: bool
+    gate: GateMode
+    lower_bound: float | None
+    safe_gate: bool
+    beta_sigmoid: bool
+    allow_neg_eigval: bool
+    has_initial_state: bool
+    output_final_state: bool
+    state_v_first: bool
+    varlen: bool
+    chunk_size: int = 64
+    disable_recompute: bool = False
+    return_intermediate_states: bool = False
+    # decoding only
+    pool: bool = False  # ssm_state_indices given: initial_state is a pool of slots
+    spec_decode: bool = False  # 2-D ssm_state_indices + num_accepted_tokens
+    inplace_final_state: bool = False
+
+    @property
+    def beta_scale(self) -> float:
+        return 2.0 if self.allow_neg_eigval else 1.0
+
+    @property
+    def state_shape(self) -> tuple[int, int]:
+        s = self.shape
+        return (s.V, s.K) if self.state_v_first else (s.K, s.V)
+
+
+class KDAInputs(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    A_log: torch.Tensor | None = None
+    dt_bias: torch.Tensor | None = None
+    initial_state: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    cu_seqlens_cpu: torch.Tensor | None = None  # host copy of cu_seqlens (int64)
+    ssm_state_indices: torch.Tensor | None = None
+    num_accepted_tokens: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class GateOptions:
+    gate: GateMode  # SOFTPLUS or LOWER_BOUND
+    lower_bound: float | None
+    output_dtype: torch.dtype
+    chunk_size: int | None = None  # kda_gate_chunk_cumsum only
+    scale: float | None = None  # kda_gate_chunk_cumsum only: multiplies the cumsum
+    varlen: bool = False
+
+
+# ----------------------------------------------------------------------------------------------
+# small checks, each naming the argument and the value
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"Tensor(shape={list(x.shape)}, dtype={x.dtype}, device={x.device})"
+    return repr(x)
+
+
+def _tensor(name: str, x: Any, *, optional: bool = False) -> torch.Tensor | None:
+    if x is None and optional:
+        return None
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}: {x!r:.80}")
+    return x
+
+
+def _bool(name: str, x: Any) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"`{name}` must be a bool, got {type(x).__name__}: {x!r:.80}")
+    return x
+
+
+def _float_dtype(name: str, x: torch.Tensor) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"`{name}` must be bfloat16, float16, float32 or float64, got {x.dtype}")
+
+
+def _same_device(ref: torch.Tensor, **named: torch.Tensor | None) -> None:
+    for name, t in named.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"`{name}` is on {t.device} but `q` is on {ref.device}; all tensors must share one device")
+
+
+def _shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"`{name}` must have shape {what}={list(expected)}, got {list(x.shape)}")
+
+
+def _scale(scale: Any, K: int) -> float:
+    if scale is None:
+        return K**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"`scale` must be a float or None, got {type(scale).__name__}: {scale!r:.80}")
+    if not math.isfinite(scale):
+        raise ValueError(f"`scale` must be finite, got {scale}")
+    return float(scale)
+
+
+def _lower_bound(lower_bound: Any) -> float | None:
+    if lower_bound is None:
+        return None
+    if isinstance(lower_bound, torch.Tensor) and lower_bound.numel() == 1:
+        lower_bound = lower_bound.item()
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+        raise TypeError(f"`lower_bound` must be a float or None, got {type(lower_bound).__name__}: {lower_bound!r:.80}")
+    if not (math.isfinite(lower_bound) and lower_bound < 0):
+        raise ValueError(f"`lower_bound` must be a finite negative number, got {lower_bound}")
+    return float(lower_bound)
+
+
+def _gate_params(
+    use_gate_in_kernel: bool, A_log: Any, dt_bias: Any, lower_bound: float | None, HV: int, K: int, ref: torch.Tensor
+) -> GateMode:
+    if not use_gate_in_kernel:
+        return GateMode.PREGATED
+    A_log = _tensor("A_log", A_log, optional=True)
+    dt_bias = _tensor("dt_bias", dt_bias, optional=True)
+    if A_log is None and lower_bound is None:
+        raise ValueError("`A_log` must be given when `use_gate_in_kernel=True` and `lower_bound` is None, got A_log=None")
+    if A_log is not None:
+        _float_dtype("A_log", A_log)
+        if A_log.numel() != HV:
+            raise ValueError(f"`A_log` must have HV={HV} elements (shape [HV]), got shape {list(A_log.shape)}")
+    if dt_bias is not None:
+        _float_dtype("dt_bias", dt_bias)
+        if dt_bias.numel() != HV * K:
+            raise ValueError(f"`dt_bias` must have HV*K={HV * K} elements (shape [HV*K]), got shape {list(dt_bias.shape)}")
+    _same_device(ref, A_log=A_log, dt_bias=dt_bias)
+    return GateMode.SOFTPLUS if lower_bound is None else GateMode.LOWER_BOUND
+
+
+def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch.Tensor, check_values: bool):
+    """Checks cu_seqlens; returns (N, host copy or None)."""
+    cu = _tensor("cu_seqlens", cu_seqlens)
+    if B != 1:
+        raise ValueError(f"`cu_seqlens` needs the batch flattened to 1 (inputs [1, total_T, ...]), got batch size {B}")
+    if cu.ndim != 1 or cu.numel() < 1:
+        raise ValueError(f"`cu_seqlens` must be a 1-D tensor [N+1], got shape {list(cu.shape)}")
+    if cu.dtype not in INDEX_DTYPES:
+        raise ValueError(f"`cu_seqlens` must be int32 or int64, got {cu.dtype}")
+    _same_device(ref, cu_seqlens=cu)
+    host = None
+    if cu_seqlens_cpu is not None:
+        host = _tensor("cu_seqlens_cpu", cu_seqlens_cpu)
+        if host.device.type != "cpu" or host.shape != cu.shape or host.dtype not in INDEX_DTYPES:
+            raise ValueError(f"`cu_seqlens_cpu` must be a CPU int tensor shaped like cu_seqlens {list(cu.shape)}, got {_fmt(host)}")
+        host = host.to(torch.int64)
+    elif check_values or cu.device.type == "cpu":
+        host = cu.detach().to("cpu", torch.int64)
+    if host is not None:
+        vals = host.tolist()
+        if vals[0] != 0:
+            raise ValueError(f"`cu_seqlens` must start at 0, got {vals[:8]}")
+        bad = next((i for i in range(1, len(vals)) if vals[i] < vals[i - 1]), None)
+        if bad is not None:
+            raise ValueError(f"`cu_seqlens` must be non-decreasing, got {vals[bad - 1]} then {vals[bad]} at index {bad}")
+        if vals[-1] != T:
+            raise ValueError(f"`cu_seqlens` must end at the total length T={T}, got {vals[-1]}")
+    return cu.numel() - 1, host
+
+
+def _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values: bool):
+    q = _tensor("q", q)
+    k = _tensor("k", k)
+    v = _tensor("v", v)
+    g = _tensor("g", g)
+    beta = _tensor("beta", beta)
+    if q.ndim != 4:
+        raise ValueError(f"`q` must be 4-D [B, T, H, K], got shape {list(q.shape)}")
+    B, T, H, K = q.shape
+    _shape("k", k, (B, T, H, K), "[B, T, H, K]")
+    if v.ndim != 4 or tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"`v` must have shape [B, T, HV, V] with B={B}, T={T}, got {list(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"the value heads HV={HV} (v.shape[2]) must be a multiple of the q/k heads H={H}")
+    if K < 1 or K > MAX_K:
+        raise ValueError(f"the key head dim K={K} must be in [1, {MAX_K}]")
+    if V < 1:
+        raise ValueError(f"the value head dim V={V} must be >= 1")
+    _shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
+    _shape("beta", beta, (B, T, HV), "[B, T, HV]")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _float_dtype(name, t)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"`q`, `k`, `v` must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    _same_device(q, k=k, v=v, g=g, beta=beta)
+    scale = _scale(scale, K)
+    N, cu_host = B, None
+    if cu_seqlens is not None:
+        N, cu_host = _cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, q, check_cu_values)
+    elif cu_seqlens_cpu is not None:
+        raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
+    return KDAShape(B, T, H, HV, K, V, N), scale, cu_host
+
+
+def _state(name: str, h: torch.Tensor, lead: int | None, shape: KDAShape, state_v_first: bool, q: torch.Tensor):
+    """A state tensor [lead, HV, K, V] (or [.., V, K]); lead None accepts any slot count."""
+    tail = (shape.HV, shape.V, shape.K) if state_v_first else (shape.HV, shape.K, shape.V)
+    lead_name = "N" if lead is not None else "num_slots"
+    layout = f"[{lead_name}, HV, V, K]" if state_v_first else f"[{lead_name}, HV, K, V]"
+    if h.ndim != 4 or tuple(h.shape[1:]) != tail or (lead is not None and h.shape[0] != lead):
+        exp = ", ".join(str(d) for d in (lead if lead is not None else lead_name, *tail))
+        raise ValueError(f"`{name}` must have shape {layout}=[{exp}] (state_v_first={state_v_first}), got {list(h.shape)}")
+    allowed = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+    if h.dtype not in allowed:
+        raise ValueError(f"`{name}` must be float32 (states are kept in float32), got {h.dtype}")
+    _same_device(q, **{name: h})
+
+
+def _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound):
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` needs `use_beta_sigmoid_in_kernel=True` (beta becomes 2*sigmoid(beta)), got use_beta_sigmoid_in_kernel=False")
+    if safe_gate:
+        if lower_bound is None:
+            raise ValueError("`safe_gate=True` needs `lower_bound` in [-5, 0), got lower_bound=None")
+        if not (-5.0 <= lower_bound < 0.0):
+            raise ValueError(f"`safe_gate=True` needs `lower_bound` in [-5, 0), got lower_bound={lower_bound}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the three entry points
+
+
+def chunk_options(
+    q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
+    return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context, A_log, dt_bias, chunk_size,
+) -> tuple[KDAOptions, KDAInputs]:
+    flags = dict(
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, disable_recompute=disable_recompute,
+        return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
+    )
+    for name, val in flags.items():
+        _bool(name, val)
+    if isinstance(chunk_size, bool) or chunk_size not in (32, 64):
+        raise ValueError(f"`chunk_size` must be 32 or 64, got {chunk_size!r}")
+    if cp_context is not None:
+        if initial_state is not None:
+            raise ValueError("`initial_state` cannot be used with `cp_context` (each rank's incoming state comes from the ranks before it)")
+        if output_final_state:
+            raise ValueError("`output_final_state=True` cannot be used with `cp_context`")
+    shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values=True)
+    lower_bound = _lower_bound(lower_bound)
+    _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
+    gate = _gate_params(use_gate_in_kernel, A_log, dt_bias, lower_bound, shape.HV, shape.K, q)
+    if initial_state is not None:
+        _state("initial_state", _tensor("initial_state", initial_state), shape.N, shape, state_v_first, q)
+    if return_intermediate_states and not torch.is_inference_mode_enabled():
+        raise ValueError("`return_intermediate_states=True` is for inference only: call it inside torch.inference_mode()")
+    if cp_context is not None:
+        raise NotImplementedError("`cp_context` (context parallelism) is not supported yet in this release of fastkda")
+    opts = KDAOptions(
+        op="chunk", shape=shape, scale=scale, qk_l2norm=use_qk_l2norm_in_kernel, gate=gate,
+        lower_bound=lower_bound, safe_gate=safe_gate, beta_sigmoid=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, has_initial_state=initial_state is not None,
+        output_final_state=output_final_state, state_v_first=state_v_first, varlen=cu_seqlens is not None,
+        chunk_size=chunk_size, disable_recompute=disable_recompute,
+        return_intermediate_states=return_intermediate_states,
+    )
+    inputs = KDAInputs(
+        q, k, v, g, beta,
+        A_log if gate is not GateMode.PREGATED else None,
+        dt_bias if gate is not GateMode.PREGATED else None,
+        initial_state, cu_seqlens, cu_host,
+    )
+    return opts, inputs
+
+
+def recurrent_options(
+    q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
+    ssm_state_indices, num_accepted_tokens, inplace_final_state,
+) -> tuple[KDAOptions, KDAInputs]:
+    flags = dict(
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, inplace_final_state=inplace_final_state,
+    )
+    for name, val in flags.items():
+        _bool(name, val)
+    # decoding must not synchronise with the host: cu_seqlens values are checked only when on the CPU
+    shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, None, check_cu_values=False)
+    lower_bound = _lower_bound(lower_bound)
+    _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, False, lower_bound)
+    gate = _gate_params(use_gate_in_kernel, A_log, dt_bias, lower_bound, shape.HV, shape.K, q)
+    idx = _tensor("ssm_state_indices", ssm_state_indices, optional=True)
+    acc = _tensor("num_accepted_tokens", num_accepted_tokens, optional=True)
+    if idx is not None:
+        if initial_state is None:
+            raise ValueError("`ssm_state_indices` selects slots of a state pool passed as `initial_state`, got initial_state=None")
+        if idx.dtype not in INDEX_DTYPES:
+            raise ValueError(f"`ssm_state_indices` must be int32 or int64, got {idx.dtype}")
+        if idx.ndim not in (1, 2) or idx.shape[0] != shape.N or (idx.ndim == 2 and idx.shape[1] < 1):
+            raise ValueError(f"`ssm_state_indices` must have shape [N] or [N, 1 + num_draft] with N={shape.N} sequences, got {list(idx.shape)}")
+        if idx.ndim == 2 and cu_seqlens is None and shape.T > idx.shape[1]:
+            raise ValueError(f"`ssm_state_indices` has {idx.shape[1]} slots per sequence but each sequence has T={shape.T} tokens")
+        _same_device(q, ssm_state_indices=idx)
+    if acc is not None:
+        if idx is None or idx.ndim != 2:
+            raise ValueError("`num_accepted_tokens` needs 2-D `ssm_state_indices` [N, 1 + num_draft] (speculative decoding)")
+        if acc.dtype not in INDEX_DTYPES or tuple(acc.shape) != (shape.N,):
+            raise ValueError(f"`num_accepted_tokens` must be an int32/int64 tensor of shape [N]=[{shape.N}], got {_fmt(acc)}")
+        _same_device(q, num_accepted_tokens=acc)
+    if idx is not None and idx.ndim == 2 and acc is None:
+        raise ValueError("2-D `ssm_state_indices` (speculative decoding) needs `num_accepted_tokens` [N], got None")
+    if initial_state is not None:
+        h0 = _tensor("initial_state", initial_state)
+        _state("initial_state", h0, None if idx is not None else shape.N, shape, state_v_first, q)
+        if inplace_final_state and (h0.requires_grad and torch.is_grad_enabled()):
+            raise ValueError("`inplace_final_state=True` writes into `initial_state`, which requires grad; detach it or disable grad")
+    if inplace_final_state and initial_state is None:
+        raise ValueError("`inplace_final_state=True` writes into `initial_state`, got initial_state=None")
+    opts = KDAOptions(
+        op="recurrent", shape=shape, scale=scale, qk_l2norm=use_qk_l2norm_in_kernel, gate=gate,
+        lower_bound=lower_bound, safe_gate=False, beta_sigmoid=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, has_initial_state=initial_state is not None,
+        output_final_state=output_final_state, state_v_first=state_v_first, varlen=cu_seqlens is not None,
+        pool=idx is not None, spec_decode=acc is not None, inplace_final_state=inplace_final_state,
+    )
+    inputs = KDAInputs(
+        q, k, v, g, beta,
+        A_log if gate is not GateMode.PREGATED else None,
+        dt_bias if gate is not GateMode.PREGATED else None,
+        initial_state, cu_seqlens, cu_host, idx, acc,
+    )
+    return opts, inputs
+
+
+def gate_options(
+    g, A_log, dt_bias, lower_bound, output_dtype, *, chunk_size=None, scale=None, cu_seqlens=None, need_time_axis=False
+) -> GateOptions:
+    g = _tensor("g", g)
+    _float_dtype("g", g)
+    if g.ndim < 2:
+        raise ValueError(f"`g` must be [..., H, K], got shape {list(g.shape)}")
+    if need_time_axis and g.ndim != 4:
+        raise ValueError(f"`g` must be [B, T, H, K], got shape {list(g.shape)}")
+    if not isinstance(output_dtype, torch.dtype) or output_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"`output_dtype` must be a floating torch.dtype, got {output_dtype!r}")
+    H, K = g.shape[-2:]
+    lower_bound = _lower_bound(lower_bound)
+    mode = _gate_params(True, A_log, dt_bias, lower_bound, H, K, g)
+    varlen = False
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
+            raise ValueError(f"`chunk_size` must be a positive power of two, got {chunk_size!r}")
+        if scale is not None:
+            scale = _scale(scale, K)
+        if cu_seqlens is not None:
+            _cu_seqlens(cu_seqlens, None, g.shape[0], g.shape[1], g, check_values=True)
+            varlen = True
+    return GateOptions(mode, lower_bound, output_dtype, chunk_size, scale, varlen)

@@ -1,0 +1,64 @@
+"""Platform facts, read once. Code and tests ask here instead of probing torch.cuda themselves."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+__all__ = [
+    "device",
+    "device_platform",
+    "IS_NVIDIA",
+    "IS_NVIDIA_HOPPER",
+    "IS_NVIDIA_BLACKWELL",
+    "IS_AMD",
+    "IS_INTEL",
+    "HAS_TRITON",
+    "triton_interpret",
+    "is_gpu_tensor",
+    "device_name",
+]
+
+
+def _detect() -> tuple[str, str]:
+    """(torch device type, vendor platform) of the best accelerator present, else ('cpu', 'cpu')."""
+    if torch.cuda.is_available():
+        return "cuda", ("amd" if torch.version.hip else "nvidia")
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xpu", "intel"
+    return "cpu", "cpu"
+
+
+device, device_platform = _detect()
+
+IS_NVIDIA = device_platform == "nvidia"
+IS_AMD = device_platform == "amd"
+IS_INTEL = device_platform == "intel"
+_CC = torch.cuda.get_device_capability() if IS_NVIDIA else (0, 0)
+IS_NVIDIA_HOPPER = IS_NVIDIA and _CC[0] == 9
+IS_NVIDIA_BLACKWELL = IS_NVIDIA and _CC[0] == 10
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def triton_interpret() -> bool:
+    """True when Triton kernels run in its interpreter (CPU tensors allowed)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def is_gpu_tensor(t: torch.Tensor) -> bool:
+    return t.device.type in ("cuda", "xpu")
+
+
+@functools.lru_cache(maxsize=None)
+def device_name(dev: str = device) -> str:
+    if dev.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    if dev.startswith("xpu"):
+        return torch.xpu.get_device_name()
+    import platform as _p
+
+    return _p.processor() or _p.machine()

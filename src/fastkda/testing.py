@@ -1,0 +1,244 @@
+"""Helpers shared by the test suite and ``fastkda check``: random cases over the option space,
+the float64 reference, relative RMS errors and NaN poisoning of freshly allocated outputs."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from .naive import naive_chunk_kda, naive_recurrent_kda
+
+__all__ = ["Case", "AXES", "grow", "make_inputs", "reference", "rel_rms", "poisoned", "new_empty", "TOLERANCE"]
+
+# ----------------------------------------------------------------------------------------------
+# poisoning: kernels allocate their outputs through new_empty; under poisoned() those start as NaN
+# (integers as -1), so any element a kernel forgets to write fails the comparison.
+
+_poison = threading.local()
+
+
+@contextlib.contextmanager
+def poisoned(enabled: bool = True) -> Iterator[None]:
+    prev = getattr(_poison, "on", False)
+    _poison.on = enabled
+    try:
+        yield
+    finally:
+        _poison.on = prev
+
+
+def new_empty(*shape, dtype: torch.dtype, device) -> torch.Tensor:
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    if getattr(_poison, "on", False):
+        t.fill_(math.nan if t.is_floating_point() else -1)
+    return t
+
+
+# ----------------------------------------------------------------------------------------------
+# errors
+
+
+def rel_rms(actual: torch.Tensor, ref: torch.Tensor) -> float:
+    """||actual - ref|| / ||ref|| in float64; inf if anything is not finite or shapes differ."""
+    if actual.shape != ref.shape:
+        return math.inf
+    a, r = actual.detach().double().cpu(), ref.detach().double().cpu()
+    if not torch.isfinite(a).all():
+        return math.inf
+    den = r.norm().item()
+    num = (a - r).norm().item()
+    return num / den if den > 0 else num
+
+
+# relative RMS limits per input dtype, for backends that compute in float32
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+
+
+# ----------------------------------------------------------------------------------------------
+# cases
+
+GATES = ("pregated", "pregated_safe", "softplus", "lowerbound", "lowerbound_noA", "safe")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One point of the option space of SPEC section 6."""
+
+    B: int = 1
+    T: int = 100
+    H: int = 2
+    HV: int = 2
+    K: int = 32
+    V: int = 32
+    dtype: torch.dtype = torch.float32
+    seqlens: tuple[int, ...] | None = None  # varlen when set (B must be 1, T = sum)
+    gate: str = "pregated"
+    lower_bound: float = -5.0
+    beta_sigmoid: bool = False
+    allow_neg_eigval: bool = False
+    l2norm: bool = False
+    initial_state: bool = True
+    final_state: bool = True
+    state_v_first: bool = False
+    chunk_size: int = 64
+    scale: float | None = None
+    gate_spread: float = 2.0  # std of the raw gate input (extremes: ~30)
+    A_log_range: tuple[float, float] = (-1.0, 1.0)
+    dt_bias: bool = True
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        assert self.gate in GATES, self.gate
+        if self.seqlens is not None:
+            object.__setattr__(self, "T", sum(self.seqlens))
+            object.__setattr__(self, "B", 1)
+
+    @property
+    def N(self) -> int:
+        return len(self.seqlens) if self.seqlens is not None else self.B
+
+    def replace(self, **kw) -> "Case":
+        return dataclasses.replace(self, **kw)
+
+    def describe(self) -> str:
+        base = Case()
+        parts = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                 if f.compare and getattr(self, f.name) != getattr(base, f.name)]
+        return ",".join(parts) or "default"
+
+
+# ----------------------------------------------------------------------------------------------
+# the checklist axes of SPEC section 6, as cases; each toggles one or two axes off the default
+
+AXES = {
+    "dense": Case(T=100),
+    "varlen": Case(seqlens=(1, 64, 0, 63, 65, 7)),
+    "gva": Case(T=80, H=1, HV=3),
+    "k_ne_v": Case(T=80, K=32, V=48),
+    "k64_v16": Case(T=70, K=64, V=16, H=1, HV=1),
+    "pregated_safe": Case(T=100, gate="pregated_safe"),
+    "softplus": Case(T=100, gate="softplus"),
+    "lowerbound": Case(T=100, gate="lowerbound", lower_bound=-2.0),
+    "lowerbound_noA": Case(T=100, gate="lowerbound_noA"),
+    "safe_lb-5": Case(T=100, gate="safe", lower_bound=-5.0),
+    "safe_lb-0.1": Case(T=100, gate="safe", lower_bound=-0.1),
+    "safe_no_dt_bias": Case(T=70, gate="safe", dt_bias=False),
+    "beta_sigmoid": Case(T=80, beta_sigmoid=True),
+    "neg_eigval": Case(T=80, beta_sigmoid=True, allow_neg_eigval=True),
+    "l2norm": Case(T=80, l2norm=True),
+    "no_states": Case(T=80, initial_state=False, final_state=False),
+    "final_only": Case(T=80, initial_state=False),
+    "state_v_first": Case(T=80, state_v_first=True),
+    "chunk32": Case(T=100, chunk_size=32),
+    "chunk32_varlen_safe": Case(seqlens=(33, 31, 1, 64), chunk_size=32, gate="safe"),
+    "scale": Case(T=50, scale=0.7),
+    "bf16": Case(T=100, dtype=torch.bfloat16, gate="safe", l2norm=True),
+    "fp16": Case(T=100, dtype=torch.float16, gate="softplus", l2norm=True),
+    "extreme_softplus": Case(T=100, gate="softplus", gate_spread=30.0, A_log_range=(-5.0, 5.0)),
+    "extreme_lowerbound": Case(T=100, gate="lowerbound", lower_bound=-20.0, gate_spread=30.0, A_log_range=(-5.0, 5.0)),
+    "extreme_safe": Case(T=100, gate="safe", lower_bound=-5.0, gate_spread=30.0, A_log_range=(-5.0, 5.0)),
+    "deep_decay": Case(T=600, H=1, HV=1, gate="safe", lower_bound=-5.0, gate_spread=0.5, A_log_range=(3.0, 5.0)),
+    "t_short": Case(T=1),
+    "t_chunk_plus_one": Case(T=65),
+}
+
+
+def grow(case, gpu: bool):
+    """GPU tier: the same axis at a real shape."""
+    if not gpu:
+        return case
+    big = dict(K=128, V=128 if case.V == case.K else 64, H=case.H * 2, HV=case.HV * 2)
+    if case.seqlens is not None:
+        return case.replace(seqlens=tuple(s * 16 for s in case.seqlens), **big)
+    return case.replace(T=max(case.T * 16, 2), B=2, **big)
+
+
+def make_inputs(case: Case, device="cpu", requires_grad: bool = False, generator: torch.Generator | None = None):
+    """Fresh random keyword arguments of ``chunk_kda`` / ``fused_recurrent_kda`` for ``case``."""
+    c = case
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=generator) * scale
+
+    q = rnd(c.B, c.T, c.H, c.K)
+    k = rnd(c.B, c.T, c.H, c.K)
+    if not c.l2norm:  # the delta rule wants |k| ~ 1; the kernel normalises when asked
+        k = F.normalize(k, dim=-1)
+    v = rnd(c.B, c.T, c.HV, c.V)
+    raw = rnd(c.B, c.T, c.HV, c.K, scale=c.gate_spread)
+    kw: dict = {}
+    if c.gate == "pregated":
+        g = F.logsigmoid(raw)
+    elif c.gate == "pregated_safe":
+        g = c.lower_bound * torch.sigmoid(raw)
+        kw.update(safe_gate=True, lower_bound=c.lower_bound)
+    else:
+        g = raw
+        lo, hi = c.A_log_range
+        A_log = torch.rand(c.HV, generator=generator) * (hi - lo) + lo
+        kw.update(use_gate_in_kernel=True, A_log=None if c.gate == "lowerbound_noA" else A_log)
+        if c.dt_bias:
+            kw["dt_bias"] = rnd(c.HV * c.K)
+        if c.gate in ("lowerbound", "lowerbound_noA", "safe"):
+            kw["lower_bound"] = c.lower_bound
+        if c.gate == "safe":
+            kw["safe_gate"] = True
+    if c.beta_sigmoid:
+        beta = rnd(c.B, c.T, c.HV)
+        kw["use_beta_sigmoid_in_kernel"] = True
+        kw["allow_neg_eigval"] = c.allow_neg_eigval
+    else:
+        beta = torch.rand(c.B, c.T, c.HV, generator=generator)
+    tensors = dict(q=q, k=k, v=v, g=g, beta=beta)
+    tensors = {n: t.to(c.dtype if n in ("q", "k", "v") else (torch.float64 if c.dtype == torch.float64 else torch.float32))
+               for n, t in tensors.items()}
+    if c.dtype in (torch.bfloat16, torch.float16):  # gates and beta often arrive in the model dtype too
+        tensors["beta"] = tensors["beta"].to(c.dtype)
+    if c.initial_state:
+        shape = (c.N, c.HV, c.V, c.K) if c.state_v_first else (c.N, c.HV, c.K, c.V)
+        kw["initial_state"] = rnd(*shape, scale=0.5).to(torch.float64 if c.dtype == torch.float64 else torch.float32)
+    if c.seqlens is not None:
+        kw["cu_seqlens"] = torch.tensor([0, *torch.tensor(c.seqlens).cumsum(0).tolist()], dtype=torch.int32)
+    kw.update(output_final_state=c.final_state, state_v_first=c.state_v_first, use_qk_l2norm_in_kernel=c.l2norm)
+    if c.scale is not None:
+        kw["scale"] = c.scale
+    for key in ("A_log", "dt_bias"):
+        if kw.get(key) is not None and c.dtype == torch.float64:
+            kw[key] = kw[key].double()
+    out = {**tensors, **kw}
+    for name, t in out.items():
+        if isinstance(t, torch.Tensor):
+            t = t.to(device)
+            if requires_grad and t.is_floating_point() and name != "cu_seqlens":
+                t.requires_grad_(True)
+            out[name] = t
+    return out
+
+
+_REF_KEYS = (
+    "scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "A_log",
+    "dt_bias", "lower_bound", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first", "cu_seqlens",
+)
+
+
+def reference(inputs: dict, chunked: bool = False, chunk_size: int = 64, **extra):
+    """The float64 reference for the keyword arguments of a call (``make_inputs`` output)."""
+    kw = {k: inputs[k] for k in _REF_KEYS if k in inputs}
+    if kw.get("initial_state") is not None:
+        kw["initial_state"] = kw["initial_state"].double()
+    if kw.get("lower_bound") is not None and not kw.get("use_gate_in_kernel", False):
+        kw.pop("lower_bound")  # pre-gated: lower_bound only states a promise
+    args = [inputs[n].double() for n in ("q", "k", "v", "g", "beta")]
+    for key in ("A_log", "dt_bias"):
+        if kw.get(key) is not None:
+            kw[key] = kw[key].double()
+    if chunked:
+        return naive_chunk_kda(*args, chunk_size=chunk_size, **kw, **extra)
+    return naive_recurrent_kda(*args, **kw, **extra)

@@ -1,0 +1,132 @@
+"""chunk_kda forward on every backend, every axis of SPEC section 6, against the float64
+per-token reference."""
+
+import pytest
+import torch
+from conftest import BACKENDS, DEVICE, GPU
+from helpers import AXES, check, grow, tol_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastkda import chunk_kda, use_backend
+from fastkda.testing import Case, make_inputs, reference
+
+
+def run_forward(backend, case, rng, intermediate=False):
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    with use_backend(backend):
+        if intermediate:
+            with torch.inference_mode():
+                o, s, h = chunk_kda(**x, chunk_size=case.chunk_size, return_intermediate_states=True)
+        else:
+            o, s = chunk_kda(**x, chunk_size=case.chunk_size)
+            h = None
+    assert o.dtype == x["v"].dtype and o.shape == x["v"].shape
+    if case.final_state:
+        assert s.dtype == (torch.float64 if case.dtype == torch.float64 else torch.float32)
+    else:
+        assert s is None
+    return x, o, s, h
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("axis", list(AXES))
+def test_forward_axis(backend, axis, rng):
+    case = grow(AXES[axis], GPU)
+    x, o, s, _ = run_forward(backend, case, rng)
+    o_ref, s_ref = reference(x)
+    tol = tol_for(case.dtype)
+    check("o", o, o_ref, tol)
+    if case.final_state:
+        check("final_state", s, s_ref, tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("axis", ["dense", "varlen", "chunk32_varlen_safe", "state_v_first", "gva"])
+def test_intermediate_states(backend, axis, rng):
+    case = grow(AXES[axis], GPU)
+    x, o, s, h = run_forward(backend, case, rng, intermediate=True)
+    o_ref, s_ref, h_ref = reference(x, chunked=True, chunk_size=case.chunk_size, return_intermediate_states=True)
+    tol = tol_for(case.dtype)
+    check("o", o, o_ref, tol)
+    check("h", h, h_ref, tol)
+    assert h.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_inputs(backend, rng):
+    case = grow(Case(T=90, HV=2, gate="softplus"), GPU)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    # the same values behind non-contiguous views
+    for name in ("q", "k", "v", "g"):
+        t = x[name]
+        x[name] = torch.cat([t, t], -1)[..., : t.shape[-1]]
+        assert not x[name].is_contiguous()
+    x["beta"] = x["beta"].transpose(1, 2).contiguous().transpose(1, 2)
+    with use_backend(backend):
+        o, s = chunk_kda(**x)
+    o_ref, s_ref = reference(x)
+    check("o", o, o_ref, tol_for(case.dtype))
+    check("final_state", s, s_ref, tol_for(case.dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autocast(backend, rng):
+    case = grow(Case(T=70, gate="safe", l2norm=True), GPU)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    dt = torch.bfloat16
+    with use_backend(backend), torch.autocast(DEVICE, dtype=dt):
+        o, s = chunk_kda(**x)
+    assert o.dtype == dt and s.dtype == torch.float32
+    o_ref, s_ref = reference({**x, **{n: x[n].to(dt) for n in ("q", "k", "v")}})
+    check("o", o, o_ref, tol_for(dt))
+    check("final_state", s, s_ref, tol_for(dt))
+
+
+def test_empty_batch_and_all_empty_sequences(rng):
+    x = make_inputs(Case(seqlens=(0, 0)), generator=rng)
+    o, s = chunk_kda(**x)
+    assert o.shape == (1, 0, 2, 32)
+    assert torch.equal(s, x["initial_state"])
+
+
+def test_inference_mode_and_no_grad(rng):
+    x = make_inputs(Case(T=40), device=DEVICE, generator=rng)
+    with torch.no_grad():
+        o1, _ = chunk_kda(**x)
+    with torch.inference_mode():
+        o2, _ = chunk_kda(**x)
+    assert torch.equal(o1, o2)
+
+
+_gate = st.sampled_from(["pregated", "pregated_safe", "softplus", "lowerbound", "lowerbound_noA", "safe"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=12 if not GPU else 30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    gate=_gate,
+    varlen=st.booleans(),
+    gva=st.booleans(),
+    beta_mode=st.sampled_from(["plain", "sigmoid", "neg"]),
+    l2=st.booleans(),
+    vfirst=st.booleans(),
+    chunk=st.sampled_from([32, 64]),
+    state=st.booleans(),
+    dims=st.sampled_from([(16, 16), (32, 16), (16, 64), (64, 32)]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_forward_random_combinations(backend, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims, seed):
+    """Random points of the whole option space, not only one axis at a time."""
+    rng = torch.Generator().manual_seed(seed)
+    lens = tuple(int(t) for t in torch.randint(0, 90, (3,), generator=rng)) if varlen else None
+    case = Case(
+        T=int(torch.randint(1, 130, (1,), generator=rng)), seqlens=lens, gate=gate, H=1, HV=2 if gva else 1,
+        K=dims[0], V=dims[1], beta_sigmoid=beta_mode != "plain", allow_neg_eigval=beta_mode == "neg", l2norm=l2,
+        state_v_first=vfirst, chunk_size=chunk, initial_state=state, final_state=True,
+    )
+    case = grow(case, GPU)
+    x, o, s, _ = run_forward(backend, case, rng)
+    o_ref, s_ref = reference(x)
+    check("o", o, o_ref, tol_for(case.dtype))
+    check("final_state", s, s_ref, tol_for(case.dtype))

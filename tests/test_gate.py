@@ -1,0 +1,79 @@
+"""Gate helpers: fused_kda_gate (with gradients) and kda_gate_chunk_cumsum against the references."""
+
+import pytest
+import torch
+from conftest import DEVICE
+from helpers import check
+
+from fastkda import fused_kda_gate, kda_gate_chunk_cumsum, naive_kda_gate, naive_kda_lowerbound_gate, use_backend
+from fastkda.backends import backends
+
+GATE_BACKENDS = [b.name for b in backends() if "kda_gate" in b.ops]
+CUMSUM_BACKENDS = [b.name for b in backends() if "kda_gate_chunk_cumsum" in b.ops]
+MODES = [
+    ("softplus", None, True, True),
+    ("softplus_no_bias", None, True, False),
+    ("lowerbound", -5.0, True, True),
+    ("lowerbound_noA", -0.1, False, True),
+]
+
+
+def _params(H, K, has_A, has_bias, rng, spread=1.0):
+    A = (torch.rand(H, generator=rng) * 10 - 5) if has_A else None
+    b = torch.randn(H * K, generator=rng) * spread if has_bias else None
+    return A, b
+
+
+def _ref(g, A, b, lb):
+    g, A, b = (None if t is None else t.double() for t in (g, A, b))
+    if lb is None:
+        return naive_kda_gate(g, A, b, torch.float64)
+    return naive_kda_lowerbound_gate(g, A, b, lb, torch.float64)
+
+
+@pytest.mark.parametrize("backend", GATE_BACKENDS)
+@pytest.mark.parametrize("mode,lb,has_A,has_bias", MODES, ids=[m[0] for m in MODES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kda_gate(backend, mode, lb, has_A, has_bias, dtype, rng):
+    H, K = 3, 40
+    g = (torch.randn(2, 17, H, K, generator=rng) * 30).to(dtype).to(DEVICE).requires_grad_()
+    A, b = _params(H, K, has_A, has_bias, rng, spread=5.0)
+    A = A.to(DEVICE).requires_grad_() if A is not None else None
+    b = b.to(DEVICE).requires_grad_() if b is not None else None
+    with use_backend(backend):
+        y = fused_kda_gate(g, A, b, lower_bound=lb, output_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    ref = _ref(g, A, b, lb)
+    check("gate", y, ref, 1e-6)
+    dy = torch.randn(y.shape, generator=rng).to(DEVICE)
+    leaves = [t for t in (g, A, b) if t is not None]
+    got = torch.autograd.grad((y * dy).sum(), leaves)
+    want = torch.autograd.grad((ref * dy.double()).sum(), leaves)
+    for name, a, r in zip(("dg", "dA_log", "ddt_bias"), got, want):
+        check(name, a, r, 1e-5 if dtype == torch.float32 else 4e-3)
+
+
+@pytest.mark.parametrize("backend", CUMSUM_BACKENDS)
+@pytest.mark.parametrize("mode,lb,has_A,has_bias", MODES, ids=[m[0] for m in MODES])
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_kda_gate_chunk_cumsum(backend, mode, lb, has_A, has_bias, varlen, chunk, rng):
+    H, K = 2, 24
+    lens = [0, 1, 70, 33, 64] if varlen else [100, 100]
+    B, T = (1, sum(lens)) if varlen else (2, 100)
+    g = (torch.randn(B, T, H, K, generator=rng) * 3).to(DEVICE)
+    A, b = _params(H, K, has_A, has_bias, rng)
+    A, b = (None if t is None else t.to(DEVICE) for t in (A, b))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE) if varlen else None
+    scale = 1.4426950408889634
+    with use_backend(backend):
+        y = kda_gate_chunk_cumsum(g, A, chunk, scale=scale, dt_bias=b, cu_seqlens=cu, lower_bound=lb)
+    act = _ref(g, A, b, lb)
+    want = torch.empty_like(act)
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]) if varlen else None
+    for r in range(B):
+        bounds = [(starts[i].item(), starts[i + 1].item()) for i in range(len(lens))] if varlen else [(0, T)]
+        for s, e in bounds:
+            for c in range(s, e, chunk):
+                want[r, c: min(c + chunk, e)] = act[r, c: min(c + chunk, e)].cumsum(0) * scale
+    check("chunk cumsum", y, want, 1e-6)

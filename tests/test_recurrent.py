@@ -1,0 +1,200 @@
+"""fused_recurrent_kda: every option against the float64 reference, and the serving paths:
+state pools with padding slots, speculative decoding with rollback, in-place writes."""
+
+import pytest
+import torch
+from conftest import DEVICE, GPU
+from helpers import AXES, check, grow, tol_for
+
+from fastkda import chunk_kda, fused_recurrent_kda, use_backend
+from fastkda.backends import backends
+from fastkda.testing import Case, make_inputs, reference
+
+BACKENDS = [b.name for b in backends() if "fused_recurrent_kda" in b.ops]
+REC_AXES = {n: c for n, c in AXES.items() if not n.startswith("chunk32")}
+OPTION_KEYS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "A_log", "dt_bias", "lower_bound",
+               "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("axis", list(REC_AXES))
+def test_recurrent_axis(backend, axis, rng):
+    case = grow(REC_AXES[axis], GPU)
+    if case.T > 300:
+        case = case.replace(T=300)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    x.pop("safe_gate", None)  # a chunk_kda promise; decoding has no fast path to enable
+    with use_backend(backend):
+        o, s = fused_recurrent_kda(**x)
+    o_ref, s_ref = reference(x)
+    check("o", o, o_ref, tol_for(case.dtype))
+    if case.final_state:
+        check("final_state", s, s_ref, tol_for(case.dtype))
+    else:
+        assert s is None
+
+
+def _sequence_inputs(case, rng):
+    """Per-sequence tensors, flattened varlen, with the options of ``case``."""
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    x.pop("safe_gate", None)
+    x.pop("initial_state", None)
+    return x
+
+
+def _rows(x, cu, n, a, b):
+    """Tokens a:b of sequence n of a flattened varlen input, as a batch row [1, b-a, ...]."""
+    s = int(cu[n])
+    return {k: x[k][:, s + a: s + b] for k in ("q", "k", "v", "g", "beta")}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("vfirst", [False, True])
+def test_serving_prefill_then_decode_on_pool(backend, vfirst, rng):
+    """Prefill 8 ragged sequences with chunk_kda into pool slots, then 32 decode steps on the
+    pool with padding slots; everything equals one full-sequence reference run."""
+    steps, n_seq, num_slots = 32, 8, 13
+    prefill = [int(t) for t in torch.randint(1, 90 if not GPU else 700, (n_seq,), generator=rng)]
+    prefill[2] = 1
+    lens = [p + steps for p in prefill]
+    case = grow(Case(seqlens=tuple(lens), H=2, HV=4, gate="softplus", l2norm=True, beta_sigmoid=True,
+                     state_v_first=vfirst), False)
+    if GPU:
+        case = case.replace(K=128, V=128)
+    x = _sequence_inputs(case, rng)
+    cu = x["cu_seqlens"].tolist()
+    opts = {k: x[k] for k in OPTION_KEYS if k in x}
+    o_ref, s_ref = reference(x)
+
+    # prefill: the first prefill[n] tokens of every sequence, varlen, into random pool slots
+    pre = {k: torch.cat([_rows(x, cu, n, 0, p)[k] for n, p in enumerate(prefill)], 1) for k in ("q", "k", "v", "g", "beta")}
+    cu_pre = torch.tensor([0, *torch.tensor(prefill).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    with use_backend(backend):
+        o_pre, s_pre = chunk_kda(**pre, **opts, cu_seqlens=cu_pre, output_final_state=True)
+    ref_pre = torch.cat([o_ref[:, cu[n]: cu[n] + p] for n, p in enumerate(prefill)], 1)
+    check("prefill o", o_pre, ref_pre, tol_for(case.dtype))
+    pool = torch.randn(num_slots, case.HV, *s_pre.shape[2:], device=DEVICE)
+    slots = torch.randperm(num_slots, generator=rng)[:n_seq].to(DEVICE)
+    pool[slots] = s_pre
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    pool_before = pool.clone()
+
+    outs = []
+    for t in range(steps):
+        # batch of n_seq + 2 rows: live sequences in a random order plus two padding rows
+        order = torch.randperm(n_seq + 2, generator=rng)
+        idx = torch.full((n_seq + 2,), -1, dtype=torch.int32)
+        batch = {k: torch.randn(n_seq + 2, 1, *x[k].shape[2:], device=DEVICE).to(x[k].dtype) for k in ("q", "k", "v", "g", "beta")}
+        for row, n in enumerate(order.tolist()):
+            if n < n_seq:
+                idx[row] = slots[n]
+                tok = _rows(x, cu, n, prefill[n] + t, prefill[n] + t + 1)
+                for k in batch:
+                    batch[k][row] = tok[k][0]
+        with use_backend(backend):
+            o, ret = fused_recurrent_kda(**batch, **opts, initial_state=pool, ssm_state_indices=idx.to(DEVICE),
+                                         inplace_final_state=True)
+        assert ret is pool
+        pad_rows = (idx < 0).nonzero()[:, 0]
+        assert torch.equal(o[pad_rows.to(DEVICE)], torch.zeros_like(o[pad_rows.to(DEVICE)])), "padding rows must be zero"
+        inv = {n: row for row, n in enumerate(order.tolist()) if n < n_seq}
+        outs.append(torch.stack([o[inv[n], 0] for n in range(n_seq)]))
+    got = torch.stack(outs, 1)  # [n_seq, steps, HV, V]
+    want = torch.stack([o_ref[0, cu[n] + prefill[n]: cu[n + 1]] for n in range(n_seq)])
+    check("decode o", got, want, tol_for(case.dtype))
+    check("pool states", pool[slots], s_ref, tol_for(case.dtype))
+    assert torch.equal(pool[untouched.to(DEVICE)], pool_before[untouched.to(DEVICE)]), "slots of no sequence changed"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("varlen", [False, True])
+def test_speculative_decoding_rollback(backend, varlen, rng):
+    """Draft tokens write their states to slots [n, t]; the next step starts from the last
+    accepted one, so rejected drafts roll back."""
+    n_seq, draft, num_slots = 3, 3, 16
+    prefix = 20
+    total = prefix + 2 * (1 + draft)
+    case = Case(seqlens=(total,) * n_seq, H=1, HV=2, gate="lowerbound", lower_bound=-3.0, beta_sigmoid=True)
+    x = _sequence_inputs(case, rng)
+    cu = x["cu_seqlens"].tolist()
+    opts = {k: x[k] for k in OPTION_KEYS if k in x}
+    idx = torch.randperm(num_slots, generator=rng)[: n_seq * (1 + draft)].view(n_seq, 1 + draft).to(DEVICE)
+    pool = torch.randn(num_slots, case.HV, case.K, case.V, device=DEVICE)
+    untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
+    untouched[idx.flatten()] = False
+    before = pool.clone()
+    # the prefix: chunked prefill, states into column 0
+    pre = {k: torch.cat([_rows(x, cu, n, 0, prefix)[k] for n in range(n_seq)], 0) for k in ("q", "k", "v", "g", "beta")}
+    with use_backend(backend):
+        _, s0 = chunk_kda(**pre, **opts, output_final_state=True)
+    pool[idx[:, 0]] = s0
+    accepted = [1] * n_seq
+    kept = [list(range(prefix)) for _ in range(n_seq)]  # tokens each sequence really consumed
+    pos = [prefix] * n_seq
+    for step in range(2):
+        ntok = [1 + draft] * n_seq if not varlen else [1 + draft, 2, 1]
+        toks = [list(range(pos[n], pos[n] + ntok[n])) for n in range(n_seq)]
+        rows = [{k: x[k][:, [cu[n] + t for t in toks[n]]] for k in ("q", "k", "v", "g", "beta")} for n in range(n_seq)]
+        batch = {k: torch.cat([r[k] for r in rows], 1 if varlen else 0) for k in ("q", "k", "v", "g", "beta")}
+        kw = {}
+        if varlen:
+            kw["cu_seqlens"] = torch.tensor([0, *torch.tensor(ntok).cumsum(0).tolist()], device=DEVICE)
+        with use_backend(backend):
+            o, _ = fused_recurrent_kda(**batch, **opts, initial_state=pool, ssm_state_indices=idx,
+                                       num_accepted_tokens=torch.tensor(accepted, device=DEVICE),
+                                       inplace_final_state=True, **kw)
+        for n in range(n_seq):
+            seq_tokens = kept[n] + toks[n]
+            sub = {k: x[k][:, [cu[n] + t for t in seq_tokens]] for k in ("q", "k", "v", "g", "beta")}
+            o_r, _, states = reference({**sub, **opts}, return_all_states=True)
+            got_o = o[n] if not varlen else o[0, sum(ntok[:n]): sum(ntok[: n + 1])]
+            check(f"step {step} seq {n} o", got_o, o_r[0, len(kept[n]):], tol_for(case.dtype))
+            for t in range(ntok[n]):  # the state after every draft token sits in slot idx[n, t]
+                check(f"step {step} seq {n} state {t}", pool[idx[n, t]], states[0, len(kept[n]) + t], tol_for(case.dtype))
+        # the verifier accepts a random prefix of every sequence's tokens
+        accepted = [int(torch.randint(1, ntok[n] + 1, (1,), generator=rng)) for n in range(n_seq)]
+        for n in range(n_seq):
+            kept[n] += toks[n][: accepted[n]]
+            pos[n] += ntok[n]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inplace_without_pool_and_padding_sequences(backend, rng):
+    case = Case(B=3, T=5, H=1, HV=2)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    h0 = x.pop("initial_state")
+    o_ref, s_ref = reference({**x, "initial_state": h0})
+    h = h0.clone()
+    with use_backend(backend):
+        o, ret = fused_recurrent_kda(**x, initial_state=h, inplace_final_state=True)
+    assert ret is h
+    check("o", o, o_ref, tol_for(case.dtype))
+    check("in-place state", h, s_ref, tol_for(case.dtype))
+    # an all-padding batch touches nothing and returns zeros
+    pool = torch.randn(4, 2, 32, 32, device=DEVICE)
+    snap = pool.clone()
+    with use_backend(backend):
+        o, _ = fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=torch.tensor([-1, -1, -1], device=DEVICE),
+                                   inplace_final_state=True)
+    assert torch.equal(pool, snap) and not o.any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pool_read_only_returns_final_states(backend, rng):
+    case = Case(B=3, T=4, H=1, HV=2, state_v_first=True)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    h0 = x.pop("initial_state")
+    pool = torch.randn(5, *h0.shape[1:], device=DEVICE)
+    slots = torch.tensor([4, -1, 0], device=DEVICE)
+    pool[4], pool[0] = h0[0], h0[2]
+    snap = pool.clone()
+    with use_backend(backend):
+        o, s = fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=slots)
+    assert torch.equal(pool, snap)
+    o_ref, s_ref = reference({**x, "initial_state": h0})
+    live = torch.tensor([0, 2], device=DEVICE)
+    check("o", o[live], o_ref[live], tol_for(case.dtype))
+    check("final", s[live], s_ref[live], tol_for(case.dtype))
+    assert not o[1].any()

@@ -1,0 +1,57 @@
+"""The chunked reference equals the per-token reference (float64), on every option."""
+
+import pytest
+import torch
+from helpers import check
+
+from fastkda.testing import Case, make_inputs, reference
+
+CASES = [
+    Case(T=100),
+    Case(B=2, T=70, H=1, HV=3, K=16, V=24, gate="softplus", l2norm=True),
+    Case(seqlens=(1, 64, 0, 63, 65, 7), gate="lowerbound", beta_sigmoid=True, allow_neg_eigval=True),
+    Case(T=90, gate="safe", lower_bound=-5.0, state_v_first=True, chunk_size=32),
+    Case(T=90, gate="lowerbound_noA", lower_bound=-0.1, initial_state=False, scale=0.3),
+    Case(T=130, gate="softplus", gate_spread=30.0, A_log_range=(-5.0, 5.0)),
+    Case(T=96, gate="pregated_safe", dtype=torch.float64, chunk_size=32),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=Case.describe)
+def test_chunked_equals_recurrent(case, rng):
+    x = make_inputs(case, generator=rng)
+    o_r, s_r = reference(x)
+    o_c, s_c, h = reference(x, chunked=True, chunk_size=case.chunk_size, return_intermediate_states=True)
+    check("o", o_c, o_r, 1e-10)
+    check("final_state", s_c, s_r, 1e-10)
+    # h[:, c] is the state after the tokens before chunk c: compare with the per-token states
+    _, _, states = reference(x, return_all_states=True)
+    C = case.chunk_size
+    if case.seqlens is None:
+        for c in range(1, h.shape[1]):
+            check(f"h[{c}]", h[:, c], states[:, c * C - 1], 1e-10)
+    else:
+        i, start = 0, 0
+        for L in case.seqlens:
+            for c in range(0, L, C):
+                if c:
+                    check(f"h[{i}]", h[0, i], states[0, start + c - 1], 1e-10)
+                i += 1
+            start += L
+        assert h.shape[1] == i
+
+
+def test_gate_references_match_formulas(rng):
+    g = torch.randn(3, 4, 8, generator=rng, dtype=torch.float64) * 10
+    A = torch.randn(4, generator=rng, dtype=torch.float64)
+    b = torch.randn(32, generator=rng, dtype=torch.float64)
+    from fastkda import naive_kda_gate, naive_kda_lowerbound_gate
+
+    x = g + b.view(4, 8)
+    sp = torch.where(x > 0, x + torch.log1p(torch.exp(-x.abs())), torch.log1p(torch.exp(x)))
+    check("softplus gate", naive_kda_gate(g, A, b, torch.float64), -A.exp()[:, None] * sp, 1e-12)
+    lb = naive_kda_lowerbound_gate(g, A, b, -3.0, torch.float64)
+    check("lower-bound gate", lb, -3.0 / (1 + torch.exp(-A.exp()[:, None] * x)), 1e-12)
+    assert bool(((lb >= -3.0) & (lb <= 0)).all())
+    check("lower-bound gate, no A_log", naive_kda_lowerbound_gate(g, None, b, -3.0, torch.float64),
+          -3.0 / (1 + torch.exp(-x)), 1e-12)

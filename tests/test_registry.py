@@ -1,0 +1,116 @@
+"""Backend selection: priorities, verifiers with visible reasons, forcing and forbidding."""
+
+import logging
+
+import pytest
+
+from fastkda import BackendUnavailableError, chunk_kda, use_backend
+from fastkda.backends import Backend, register, registry, select
+from fastkda.options import chunk_options
+from fastkda.testing import Case, make_inputs
+
+
+def _options(x):
+    kw = dict(scale=None, initial_state=x.get("initial_state"), output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+              cp_context=None, A_log=None, dt_bias=None, chunk_size=64)
+    return chunk_options(*(x[k] for k in ("q", "k", "v", "g", "beta")), **kw)
+
+
+class _Picky(Backend):
+    name = "picky-test"
+    priority = 10_000
+    ops = ("chunk_kda",)
+
+    def __init__(self):
+        self.calls = 0
+
+    def verify(self, op, opts, inputs):
+        if opts.shape.K != 8:
+            return False, f"needs K == 8, got K={opts.shape.K}"
+        return True, "K == 8"
+
+    def chunk_kda(self, opts, inputs):
+        self.calls += 1
+        return registry.get("torch").chunk_kda(opts, inputs)
+
+
+@pytest.fixture
+def picky():
+    b = register(_Picky())
+    yield b
+    registry._BACKENDS.pop(b.name)
+
+
+def _call(K, **kw):
+    x = make_inputs(Case(T=10, K=K, V=8))
+    return chunk_kda(**x, **kw)
+
+
+def test_priority_and_verifier(picky, caplog):
+    with caplog.at_level(logging.DEBUG, logger="fastkda.backends"):
+        _call(16)
+    assert picky.calls == 0
+    assert "needs K == 8, got K=16" in caplog.text
+    _call(8)
+    assert picky.calls == 1
+
+
+def test_select_reports_reasons(picky):
+    x = make_inputs(Case(T=10, K=16, V=8))
+    opts, inputs = _options(x)
+    backend, reasons = select("chunk_kda", opts, inputs)
+    assert backend.name != "picky-test"
+    assert ("picky-test", "needs K == 8, got K=16") in reasons
+
+
+def test_forced_backend_never_falls_back(picky, monkeypatch):
+    monkeypatch.setenv("FASTKDA_BACKEND", "picky-test")
+    with pytest.raises(BackendUnavailableError, match=r"FASTKDA_BACKEND=picky-test cannot run chunk_kda: needs K == 8, got K=16"):
+        _call(16)
+    _call(8)
+    assert picky.calls == 1
+
+
+def test_forced_unknown_backend(monkeypatch):
+    monkeypatch.setenv("FASTKDA_BACKEND", "nope")
+    with pytest.raises(BackendUnavailableError, match=r"unknown fastkda backend 'nope'"):
+        _call(8)
+
+
+def test_forced_backend_without_the_op(picky):
+    x = make_inputs(Case(T=3, K=8, V=8))
+    from fastkda import fused_recurrent_kda
+
+    with use_backend("picky-test"), pytest.raises(BackendUnavailableError, match="does not implement fused_recurrent_kda"):
+        fused_recurrent_kda(**x)
+
+
+def test_disabled_backends(picky, monkeypatch):
+    monkeypatch.setenv("FASTKDA_DISABLE_BACKENDS", "picky-test")
+    _call(8)
+    assert picky.calls == 0
+    monkeypatch.setenv("FASTKDA_DISABLE_BACKENDS", "picky-test,torch")
+    if all(b.name in ("picky-test", "torch") for b in registry.backends()):
+        with pytest.raises(BackendUnavailableError, match="disabled by FASTKDA_DISABLE_BACKENDS"):
+            _call(8)
+
+
+def test_use_backend_context_restores(picky):
+    with use_backend("torch"):
+        _call(8)
+        with use_backend(None):
+            _call(8)
+        assert registry.forced_backend() == "torch"
+    assert picky.calls == 1
+    assert registry.forced_backend() is None
+
+
+def test_torch_is_the_cpu_default():
+    """CPU tensors go to the PyTorch backend, also when TRITON_INTERPRET=1 (the interpreter
+    serves CPU tensors only when the triton backend is forced)."""
+    x = make_inputs(Case(T=5))
+    opts, inputs = _options(x)
+    assert select("chunk_kda", opts, inputs)[0].name == "torch"

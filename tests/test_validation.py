@@ -1,0 +1,151 @@
+"""One test per validation rule: a ValueError/TypeError naming the argument and the value,
+raised before any work (state pools untouched)."""
+
+import pytest
+import torch
+
+from fastkda import chunk_kda, fused_kda_gate, fused_recurrent_kda, kda_gate_chunk_cumsum
+
+B, T, H, HV, K, V = 1, 20, 2, 4, 16, 8
+
+
+def base(**over):
+    x = dict(
+        q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, HV, V),
+        g=-torch.rand(B, T, HV, K), beta=torch.rand(B, T, HV),
+    )
+    x.update(over)
+    return x
+
+
+def h0(n=B, dtype=torch.float32, vfirst=False):
+    return torch.randn(n, HV, V, K, dtype=dtype) if vfirst else torch.randn(n, HV, K, V, dtype=dtype)
+
+
+CHUNK_RULES = [
+    ("A_log missing", dict(use_gate_in_kernel=True), ValueError, r"`A_log` must be given.*A_log=None"),
+    ("safe_gate without lower_bound", dict(safe_gate=True), ValueError, r"`safe_gate=True` needs `lower_bound`.*None"),
+    ("safe_gate lower_bound < -5", dict(safe_gate=True, lower_bound=-5.5), ValueError, r"lower_bound=-5\.5"),
+    ("safe_gate lower_bound 0", dict(safe_gate=True, lower_bound=0.0), ValueError, r"finite negative.*0\.0"),
+    ("lower_bound positive", dict(lower_bound=1.0), ValueError, r"`lower_bound` must be a finite negative number, got 1\.0"),
+    ("lower_bound type", dict(lower_bound="x"), TypeError, r"`lower_bound` must be a float.*str"),
+    ("chunk_size 16", dict(chunk_size=16), ValueError, r"`chunk_size` must be 32 or 64, got 16"),
+    ("chunk_size 128", dict(chunk_size=128), ValueError, r"`chunk_size` must be 32 or 64, got 128"),
+    ("allow_neg_eigval without sigmoid", dict(allow_neg_eigval=True), ValueError, r"`allow_neg_eigval=True` needs `use_beta_sigmoid_in_kernel=True`"),
+    ("K > 256", dict(q=torch.randn(B, T, H, 257), k=torch.randn(B, T, H, 257), g=-torch.rand(B, T, HV, 257)), ValueError, r"K=257"),
+    ("HV % H", dict(q=torch.randn(B, T, 3, K), k=torch.randn(B, T, 3, K)), ValueError, r"HV=4.*H=3"),
+    ("k shape", dict(k=torch.randn(B, T, H, K + 1)), ValueError, r"`k` must have shape \[B, T, H, K\]=\[1, 20, 2, 16\], got \[1, 20, 2, 17\]"),
+    ("g shape", dict(g=-torch.rand(B, T, H, K)), ValueError, r"`g` must have shape \[B, T, HV, K\]=\[1, 20, 4, 16\], got \[1, 20, 2, 16\]"),
+    ("beta shape", dict(beta=torch.rand(B, T, HV, 1)), ValueError, r"`beta` must have shape \[B, T, HV\]=\[1, 20, 4\], got \[1, 20, 4, 1\]"),
+    ("v batch", dict(v=torch.randn(B, T + 1, HV, V)), ValueError, r"`v` must have shape \[B, T, HV, V\].*\[1, 21, 4, 8\]"),
+    ("q ndim", dict(q=torch.randn(T, H, K)), ValueError, r"`q` must be 4-D.*\[20, 2, 16\]"),
+    ("q type", dict(q=[1.0]), TypeError, r"`q` must be a torch.Tensor, got list"),
+    ("A_log shape", dict(use_gate_in_kernel=True, A_log=torch.randn(H)), ValueError, r"`A_log` must have HV=4 elements.*\[2\]"),
+    ("dt_bias shape", dict(use_gate_in_kernel=True, A_log=torch.randn(HV), dt_bias=torch.randn(HV)), ValueError, r"`dt_bias` must have HV\*K=64 elements.*\[4\]"),
+    ("initial_state shape", dict(initial_state=torch.randn(B, HV, V, K)), ValueError, r"`initial_state` must have shape \[N, HV, K, V\]=\[1, 4, 16, 8\].*got \[1, 4, 8, 16\]"),
+    ("initial_state state_v_first shape", dict(initial_state=h0(), state_v_first=True), ValueError, r"\[N, HV, V, K\]=\[1, 4, 8, 16\]"),
+    ("initial_state count", dict(initial_state=h0(2)), ValueError, r"\[N, HV, K, V\]=\[1, 4, 16, 8\].*got \[2, 4, 16, 8\]"),
+    ("initial_state dtype", dict(initial_state=h0(dtype=torch.bfloat16)), ValueError, r"`initial_state` must be float32.*bfloat16"),
+    ("cu_seqlens batch", dict(q=torch.randn(2, T, H, K), k=torch.randn(2, T, H, K), v=torch.randn(2, T, HV, V), g=-torch.rand(2, T, HV, K), beta=torch.rand(2, T, HV), cu_seqlens=torch.tensor([0, T])), ValueError, r"batch size 2"),
+    ("cu_seqlens dtype", dict(cu_seqlens=torch.tensor([0.0, T])), ValueError, r"`cu_seqlens` must be int32 or int64, got torch.float32"),
+    ("cu_seqlens start", dict(cu_seqlens=torch.tensor([1, T])), ValueError, r"`cu_seqlens` must start at 0, got \[1, 20\]"),
+    ("cu_seqlens monotone", dict(cu_seqlens=torch.tensor([0, 12, 5, T])), ValueError, r"non-decreasing, got 12 then 5 at index 2"),
+    ("cu_seqlens end", dict(cu_seqlens=torch.tensor([0, 5, T - 1])), ValueError, r"must end at the total length T=20, got 19"),
+    ("cu_seqlens 2-D", dict(cu_seqlens=torch.tensor([[0, T]])), ValueError, r"`cu_seqlens` must be a 1-D tensor"),
+    ("cu_seqlens_cpu without cu_seqlens", dict(cu_seqlens_cpu=torch.tensor([0, T])), ValueError, r"`cu_seqlens_cpu` was given without `cu_seqlens`"),
+    ("intermediate states outside inference", dict(return_intermediate_states=True), ValueError, r"inference_mode"),
+    ("cp with initial state", dict(cp_context=object(), initial_state=h0()), ValueError, r"`initial_state` cannot be used with `cp_context`"),
+    ("cp with final state", dict(cp_context=object(), output_final_state=True), ValueError, r"`output_final_state=True` cannot be used with `cp_context`"),
+    ("qkv dtypes", dict(k=torch.randn(B, T, H, K, dtype=torch.bfloat16)), ValueError, r"share one dtype.*k=torch.bfloat16"),
+    ("integer g", dict(g=torch.zeros(B, T, HV, K, dtype=torch.int32)), ValueError, r"`g` must be bfloat16, float16, float32 or float64, got torch.int32"),
+    ("device mismatch", dict(g=-torch.rand(B, T, HV, K, device="meta")), ValueError, r"`g` is on meta but `q` is on cpu"),
+    ("flag type", dict(output_final_state="yes"), TypeError, r"`output_final_state` must be a bool, got str"),
+    ("scale type", dict(scale="1"), TypeError, r"`scale` must be a float or None, got str"),
+    ("scale nan", dict(scale=float("nan")), ValueError, r"`scale` must be finite, got nan"),
+]
+
+
+@pytest.mark.parametrize("name,over,exc,match", CHUNK_RULES, ids=[r[0] for r in CHUNK_RULES])
+def test_chunk_kda_rule(name, over, exc, match):
+    with pytest.raises(exc, match=match):
+        chunk_kda(**base(**over))
+
+
+def test_cp_context_not_available_yet():
+    with pytest.raises(NotImplementedError, match="cp_context"):
+        chunk_kda(**base(cp_context=object()))
+
+
+def test_valid_base_call_runs():
+    o, s = chunk_kda(**base(), output_final_state=True)
+    assert o.shape == (B, T, HV, V) and s.shape == (N := B, HV, K, V) and N == 1
+
+
+POOL = 6
+
+
+def pool():
+    return torch.randn(POOL, HV, K, V)
+
+
+RECURRENT_RULES = [
+    ("indices without pool", dict(ssm_state_indices=torch.tensor([0])), ValueError, r"`ssm_state_indices` selects slots.*initial_state=None"),
+    ("indices dtype", dict(initial_state=pool(), ssm_state_indices=torch.tensor([0.0])), ValueError, r"int32 or int64, got torch.float32"),
+    ("indices shape", dict(initial_state=pool(), ssm_state_indices=torch.tensor([0, 1])), ValueError, r"\[N\] or \[N, 1 \+ num_draft\] with N=1.*\[2\]"),
+    ("spec indices without accepted", dict(initial_state=pool(), ssm_state_indices=torch.zeros(1, T, dtype=torch.long)), ValueError, r"needs `num_accepted_tokens`"),
+    ("accepted without 2-D indices", dict(initial_state=pool(), ssm_state_indices=torch.tensor([0]), num_accepted_tokens=torch.tensor([1])), ValueError, r"`num_accepted_tokens` needs 2-D"),
+    ("accepted shape", dict(initial_state=pool(), ssm_state_indices=torch.zeros(1, T, dtype=torch.long), num_accepted_tokens=torch.tensor([1, 1])), ValueError, r"`num_accepted_tokens` must be.*\[N\]=\[1\]"),
+    ("too few draft slots", dict(initial_state=pool(), ssm_state_indices=torch.zeros(1, 3, dtype=torch.long), num_accepted_tokens=torch.tensor([1])), ValueError, r"3 slots per sequence but each sequence has T=20"),
+    ("pool state shape", dict(initial_state=torch.randn(POOL, HV, V, K), ssm_state_indices=torch.tensor([0])), ValueError, r"\[num_slots, 4, 16, 8\]"),
+    ("inplace without state", dict(inplace_final_state=True), ValueError, r"`inplace_final_state=True` writes into `initial_state`, got initial_state=None"),
+    ("allow_neg_eigval without sigmoid", dict(allow_neg_eigval=True), ValueError, r"needs `use_beta_sigmoid_in_kernel=True`"),
+    ("A_log missing", dict(use_gate_in_kernel=True), ValueError, r"`A_log` must be given"),
+    ("g shape", dict(g=-torch.rand(B, T, H, K)), ValueError, r"`g` must have shape"),
+]
+
+
+@pytest.mark.parametrize("name,over,exc,match", RECURRENT_RULES, ids=[r[0] for r in RECURRENT_RULES])
+def test_fused_recurrent_rule(name, over, exc, match):
+    before = over.get("initial_state")
+    snapshot = before.clone() if before is not None else None
+    with pytest.raises(exc, match=match):
+        fused_recurrent_kda(**base(**over))
+    if snapshot is not None:
+        assert torch.equal(before, snapshot)
+
+
+@pytest.mark.parametrize(
+    "idx,acc,match",
+    [
+        ([POOL], None, r"slot 6 at \[0\]; slots must be in \[0, 6\) or -1"),
+        ([-2], None, r"slot -2"),
+        ([[0, 1, POOL + 3] + [1] * (T - 3)], [1], r"slot 9 at \[0, 2\]"),
+        ([[0] * T], [0], r"`num_accepted_tokens\[0\]`=0 must be in \[1, 20\]"),
+        ([[0] * T], [T + 1], r"`num_accepted_tokens\[0\]`=21"),
+    ],
+)
+def test_bad_pool_indices_leave_pool_untouched(idx, acc, match):
+    p = pool()
+    snapshot = p.clone()
+    kw = dict(initial_state=p, ssm_state_indices=torch.tensor(idx), inplace_final_state=True)
+    if acc is not None:
+        kw["num_accepted_tokens"] = torch.tensor(acc)
+    with pytest.raises(ValueError, match=match):
+        fused_recurrent_kda(**base(), **kw)
+    assert torch.equal(p, snapshot)
+
+
+def test_gate_helpers_validate():
+    g = torch.randn(2, 5, HV, K)
+    with pytest.raises(ValueError, match=r"`A_log` must be given"):
+        fused_kda_gate(g)
+    with pytest.raises(ValueError, match=r"`dt_bias` must have HV\*K=64"):
+        fused_kda_gate(g, torch.randn(HV), torch.randn(3))
+    with pytest.raises(ValueError, match=r"`chunk_size` must be a positive power of two, got 48"):
+        kda_gate_chunk_cumsum(g, torch.randn(HV), 48)
+    with pytest.raises(ValueError, match=r"`g` must be \[B, T, H, K\]"):
+        kda_gate_chunk_cumsum(g[0], torch.randn(HV), 64)
+    with pytest.raises(ValueError, match=r"`cu_seqlens` must end at the total length T=5"):
+        kda_gate_chunk_cumsum(g[:1], torch.randn(HV), 64, cu_seqlens=torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match=r"`output_dtype` must be a floating torch.dtype"):
+        fused_kda_gate(g, torch.randn(HV), output_dtype=torch.int32)
