@@ -17,6 +17,7 @@ from fastkda.testing import poisoned  # noqa: E402
 GPU = platform.device == "cuda"
 DEVICE = platform.device
 BACKENDS = [b.name for b in backends()]
+BACKWARD_BACKENDS = [b.name for b in backends() if "chunk_kda" in b.differentiable]
 
 
 def pytest_collection_modifyitems(config, items):

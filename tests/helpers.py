@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from fastkda.testing import AXES, TOLERANCE, grow, rel_rms  # noqa: F401
+from fastkda.testing import AXES, grow, rel_rms, tolerance  # noqa: F401
 
 
 def check(name: str, actual, ref, tol: float):
@@ -14,8 +14,8 @@ def check(name: str, actual, ref, tol: float):
     return err
 
 
-def tol_for(dtype: torch.dtype, factor: float = 1.0) -> float:
-    return TOLERANCE[dtype] * factor
+def tol_for(dtype: torch.dtype, backend: str = "torch") -> float:
+    return tolerance(dtype, backend)
 
 
 def finite(t):

@@ -12,7 +12,7 @@ import torch
 from . import platform
 from .api import chunk_kda, explain, fused_recurrent_kda
 from .backends import use_backend
-from .testing import AXES, TOLERANCE, Case, grow, make_inputs, reference, rel_rms
+from .testing import AXES, Case, grow, make_inputs, reference, rel_rms, tolerance
 
 GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
@@ -21,9 +21,9 @@ def _check_case(name: str, case: Case, device: str, backward: bool, seed: int):
     """Rows (op, case, backend, error, limit) for one case."""
     gen = torch.Generator().manual_seed(seed)
     x = make_inputs(case, device=device, requires_grad=backward, generator=gen)
-    tol = TOLERANCE[case.dtype]
     rows = []
     backend, _ = explain(chunk_kda, **x, chunk_size=case.chunk_size)
+    tol = tolerance(case.dtype, backend)
     o, s = chunk_kda(**x, chunk_size=case.chunk_size)
     o_r, s_r = reference(x)
     err = max(rel_rms(o, o_r), rel_rms(s, s_r) if s is not None else 0.0)
@@ -41,6 +41,7 @@ def _check_case(name: str, case: Case, device: str, backward: bool, seed: int):
     with torch.no_grad():
         rx = {k: (t.detach() if isinstance(t, torch.Tensor) else t) for k, t in x.items() if k != "safe_gate"}
         backend, _ = explain(fused_recurrent_kda, **rx)
+        tol = tolerance(case.dtype, backend)
         o, s = fused_recurrent_kda(**rx)
         err = max(rel_rms(o, o_r), rel_rms(s, s_r) if s is not None else 0.0)
     rows.append(("fused_recurrent_kda", name, backend, err, tol))

@@ -33,6 +33,7 @@ class Backend:
     name: str = "?"
     priority: int = 0
     ops: tuple[str, ...] = ()
+    differentiable: tuple[str, ...] = ()  # ops whose backward this backend implements
 
     def verify(self, op: str, opts: Any, inputs: Any) -> tuple[bool, str]:
         """``(ok, reason)``: can this backend run ``op`` with these options and tensors?"""

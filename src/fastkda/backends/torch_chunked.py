@@ -317,6 +317,7 @@ class TorchBackend(Backend):
     name = "torch"
     priority = 0
     ops = ("chunk_kda", "fused_recurrent_kda", "kda_gate", "kda_gate_chunk_cumsum")
+    differentiable = ops
 
     def verify(self, op, opts, inputs):
         return True, "runs every option on any device"

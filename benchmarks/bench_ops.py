@@ -1,0 +1,230 @@
+"""fastkda against fla-core in one process on a GPU: time, ratio, bandwidth, memory, accuracy.
+
+    python benchmarks/bench_ops.py --suite forward --json out.json     # on the GPU
+    python benchmarks/bench_ops.py --render out.json                   # writes BENCHMARKS.md
+
+Times are medians of ``triton.testing.do_bench`` after warm-up; "first call" is the wall time of
+the first call of a shape (Triton compilation and autotuning included). Errors are relative RMS
+against the float64 per-token reference where that is affordable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _report import environment, write_section  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# cases
+
+FORWARD = [
+    # name, B, T, H, seqlens, gate
+    ("B1 T8192 H64", 1, 8192, 64, None, "safe"),
+    ("B1 T8192 H96", 1, 8192, 96, None, "safe"),
+    ("varlen 6 seqs H96", 1, None, 96, [1300, 547, 2048, 963, 271, 3063], "safe"),
+    ("B2 T8192 H64", 2, 8192, 64, None, "safe"),
+    ("B1 T32768 H16", 1, 32768, 16, None, "safe"),
+    ("B1 T8192 H64 softplus", 1, 8192, 64, None, "softplus"),
+]
+
+
+def make(B, T, H, seqlens, gate, K=128, V=128, dtype=torch.bfloat16, device="cuda", grad=False):
+    if seqlens is not None:
+        T = sum(seqlens)
+    torch.manual_seed(0)
+    q = torch.randn(B, T, H, K, device=device, dtype=dtype)
+    k = torch.randn(B, T, H, K, device=device, dtype=dtype)
+    v = torch.randn(B, T, H, V, device=device, dtype=dtype)
+    g = torch.randn(B, T, H, K, device=device, dtype=dtype)
+    beta = torch.randn(B, T, H, device=device, dtype=dtype)
+    kw = dict(
+        A_log=torch.empty(H, device=device).uniform_(0, 2.7).log(), dt_bias=torch.randn(H * K, device=device) * 0.5,
+        use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+    )
+    if gate == "safe":
+        kw.update(safe_gate=True, lower_bound=-5.0)
+    if seqlens is not None:
+        kw["cu_seqlens"] = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], device=device, dtype=torch.int32)
+    x = dict(q=q, k=k, v=v, g=g, beta=beta)
+    if grad:
+        for t in x.values():
+            t.requires_grad_(True)
+    return x, kw
+
+
+def io_bytes(x, out_elems, out_bytes=2):
+    return sum(t.numel() * t.element_size() for t in x.values()) + out_elems * out_bytes
+
+
+def copy_bandwidth():
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    import triton.testing as tt
+
+    ms = tt.do_bench(lambda: b.copy_(a), warmup=25, rep=100, return_mode="median")
+    return 2 * a.numel() / ms / 1e9  # TB/s: bytes read + written
+
+
+def _impls():
+    import fastkda
+
+    impls = {"fastkda": fastkda.chunk_kda}
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+        impls["fla"] = fla_chunk_kda
+    except Exception as e:  # report, do not hide
+        print(f"fla-core not importable: {type(e).__name__}: {e}")
+    return impls
+
+
+def _reference(x, kw):
+    """The float64 per-token reference output (first 2048 tokens of dense inputs) and its slice."""
+    from fastkda.testing import reference
+
+    n = 2048 if "cu_seqlens" not in kw else None
+    sub = {k: (t[:, :n] if n else t) for k, t in x.items()}
+    o_r, _ = reference({**sub, **{k: v for k, v in kw.items() if k != "safe_gate"}})
+    return o_r, (slice(None), slice(0, n))
+
+
+def bench_forward(cases, with_error=True):
+    import triton.testing as tt
+
+    from fastkda.testing import rel_rms
+
+    rows = []
+    impls = _impls()
+    for name, B, T, H, seqlens, gate in cases:
+        x, kw = make(B, T, H, seqlens, gate)
+        row = {"case": name, "gate": gate, "B": B, "T": sum(seqlens) if seqlens else T, "H": H}
+        ref = _reference(x, kw) if with_error else None
+        for lib, fn in impls.items():
+            torch.cuda.synchronize()
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                o, _ = fn(**x, **kw)
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                ms = tt.do_bench(lambda: fn(**x, **kw), warmup=25, rep=200, return_mode="median")
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+                err = rel_rms(o[ref[1]], ref[0]) if ref else float("nan")
+            row[lib] = {"ms": ms, "first_s": first, "peak_gib": peak, "err": err,
+                        "gbps": io_bytes(x, o.numel()) / ms / 1e6}
+            print(f"{name:28s} {lib:8s} {ms:8.3f} ms  first {first:6.1f} s  peak +{peak:5.2f} GiB  err {err:.2e}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def breakdown(name="B1 T8192 H64"):
+    """Times of the two forward stages of fastkda's Triton backend, separately, for a few launch
+    configurations."""
+    import triton.testing as tt
+
+    from fastkda.backends.triton import common, prepare, scan
+    from fastkda.options import chunk_options
+
+    _, B, T, H, seqlens, gate = next(c for c in FORWARD if c[0] == name)
+    x, kw = make(B, T, H, seqlens, gate)
+    call = dict(scale=None, initial_state=None, output_final_state=False, disable_recompute=False,
+                return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                cp_context=None, chunk_size=64, allow_neg_eigval=False, **kw)
+    rows = []
+    with torch.inference_mode():
+        opts, inp = chunk_options(*x.values(), **call)
+        args = (opts, inp.q, inp.k, inp.v, inp.g, inp.beta, inp.A_log, inp.dt_bias, None, None)
+        for warps in (2, 4, 8):
+            prepare.PREPARE_WARPS = warps
+            out = prepare.fwd_prepare(*args)
+            ms = tt.do_bench(lambda: prepare.fwd_prepare(*args), warmup=25, rep=100, return_mode="median")
+            rows.append({"stage": "prepare", "warps": warps, "ms": ms})
+            print(f"{name}: prepare warps={warps}: {ms:.3f} ms", flush=True)
+        prepare.PREPARE_WARPS = 2
+        sargs = (opts, *out[:6], None, None, out[6], out[7], inp.v.dtype, *common.dot_config(inp.q.dtype))
+        for bv, warps, stages in ((64, 8, 2), (64, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 3), (128, 8, 2)):
+            scan.SCAN_BV, scan.SCAN_WARPS, scan.SCAN_STAGES = bv, warps, stages
+            try:
+                scan.fwd_scan(*sargs)
+                ms = tt.do_bench(lambda: scan.fwd_scan(*sargs), warmup=25, rep=100, return_mode="median")
+            except Exception as e:  # an out-of-resources configuration
+                print(f"scan BV={bv} warps={warps} stages={stages}: {type(e).__name__}")
+                continue
+            rows.append({"stage": "scan", "BV": bv, "warps": warps, "stages": stages, "ms": ms})
+            print(f"{name}: scan BV={bv} warps={warps} stages={stages}: {ms:.3f} ms", flush=True)
+        scan.SCAN_BV, scan.SCAN_WARPS, scan.SCAN_STAGES = 64, 4, 2
+    return rows
+
+
+def run(args):
+    import triton
+
+    res = {"env": environment("cuda"), "copy_tbps": copy_bandwidth(), "suites": {}}
+    try:
+        import fla
+
+        res["fla_version"] = getattr(fla, "__version__", "?")
+    except Exception:
+        res["fla_version"] = None
+    res["triton"] = triton.__version__
+    print(f"copy bandwidth {res['copy_tbps']:.2f} TB/s")
+    if "stages" in args.suite:
+        res["suites"]["forward_stages"] = breakdown()
+    if "forward" in args.suite:
+        res["suites"]["forward"] = bench_forward(FORWARD, with_error=not args.no_error)
+    with open(args.json, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# markdown
+
+
+def render(path):
+    res = json.load(open(path))
+    bw = res["copy_tbps"]
+    head = (f"{res['env']}, fla-core {res.get('fla_version')}; copy bandwidth measured in the same run: "
+            f"{bw:.2f} TB/s (read + write).")
+    fwd = res["suites"].get("forward")
+    if fwd:
+        md = [head, "",
+              "bf16, K=V=128, gate activation (safe: lower_bound=-5), l2norm and beta sigmoid in the kernel; inference mode.",
+              "Ratio = fla time / fastkda time (> 1: fastkda faster). Floor = q, k, v, g, beta read once and o written once "
+              "at the copy bandwidth. Error = relative RMS against the float64 per-token reference (first 2048 tokens).", "",
+              "| case | fastkda ms | fla ms | ratio | fastkda GB/s (floor ms) | first call fastkda / fla (s) | peak +GiB fastkda / fla | error fastkda / fla |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in fwd:
+            a, b = r["fastkda"], r.get("fla")
+            floor = a["gbps"] * a["ms"] / 1e3 / bw  # bytes / bandwidth, in ms
+            if b:
+                md.append(f"| {r['case']} | {a['ms']:.3f} | {b['ms']:.3f} | {b['ms'] / a['ms']:.2f}x | {a['gbps']:.0f} ({floor:.3f}) "
+                          f"| {a['first_s']:.1f} / {b['first_s']:.1f} | {a['peak_gib']:.2f} / {b['peak_gib']:.2f} | {a['err']:.1e} / {b['err']:.1e} |")
+            else:
+                md.append(f"| {r['case']} | {a['ms']:.3f} | - | - | {a['gbps']:.0f} ({floor:.3f}) | {a['first_s']:.1f} / - | {a['peak_gib']:.2f} / - | {a['err']:.1e} / - |")
+        write_section("gpu-forward", "\n".join(md))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--suite", default="forward", help="comma list: forward")
+    p.add_argument("--json", default="bench.json")
+    p.add_argument("--render", default=None, help="write BENCHMARKS.md from a JSON result")
+    p.add_argument("--no-error", action="store_true")
+    args = p.parse_args()
+    if args.render:
+        render(args.render)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Triton backend for NVIDIA GPUs; CPU tensors run in the Triton interpreter
+(``TRITON_INTERPRET=1``) when this backend is forced, which is how the CPU test tier checks it.
+
+Status: the forward kernels pass the CPU tier and most of the GPU tier, but are not yet faster
+than fla-core and their GPU tier is not yet fully green, so the backend serves only calls that
+force it (``FASTKDA_BACKEND=triton`` or ``fastkda.use_backend("triton")``). See BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import platform
+from ...options import KDAInputs, KDAOptions
+from ..registry import Backend, forced_backend
+from .common import dot_config
+from .prepare import fwd_prepare
+from .scan import fwd_scan
+
+MAX_DIM = 256
+
+
+def _contig(t):
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def chunk_forward(opts: KDAOptions, x: KDAInputs):
+    """(o, final_state, h) through the two forward stages."""
+    q, k, v, g, beta = (_contig(t) for t in (x.q, x.k, x.v, x.g, x.beta))
+    A_log, dt_bias, h0 = _contig(x.A_log), _contig(x.dt_bias), _contig(x.initial_state)
+    w, u, qg, kd, Aqk, gl, chunk_offsets, NT_total = fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias,
+                                                             x.cu_seqlens, x.cu_seqlens_cpu)
+    return fwd_scan(opts, w, u, qg, kd, Aqk, gl, h0, x.cu_seqlens, chunk_offsets, NT_total, v.dtype, *dot_config(q.dtype))
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    priority = 100
+    ops = ("chunk_kda",)
+
+    def _device_ok(self, t: torch.Tensor) -> tuple[bool, str]:
+        if t.device.type == "cuda":
+            if not platform.IS_NVIDIA:
+                return False, "CUDA device is not NVIDIA"
+            if forced_backend() != self.name:
+                return False, "experimental: serves only calls that force it (FASTKDA_BACKEND=triton)"
+            return True, "NVIDIA GPU (forced)"
+        if t.device.type == "cpu" and platform.triton_interpret():
+            if forced_backend() == self.name:
+                return True, "CPU tensors in the Triton interpreter (forced)"
+            return False, "CPU tensors run in the Triton interpreter only when the triton backend is forced"
+        return False, f"tensors on {t.device.type} (needs an NVIDIA GPU, or TRITON_INTERPRET=1 with CPU tensors)"
+
+    def verify(self, op, opts, inputs):
+        ok, reason = self._device_ok(inputs.q)
+        if not ok:
+            return ok, reason
+        if inputs.q.dtype == torch.float64:
+            return False, "float64 inputs: the PyTorch backend serves them"
+        s = opts.shape
+        if s.K > MAX_DIM or s.V > MAX_DIM:
+            return False, f"K={s.K}, V={s.V}: the Triton kernels take K, V <= {MAX_DIM}"
+        if op == "chunk_kda" and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
+                                                        inputs.A_log, inputs.dt_bias, inputs.initial_state)
+        ):
+            return False, "gradients are not implemented in the Triton backend yet"
+        return True, reason
+
+    def chunk_kda(self, opts, inputs):
+        return chunk_forward(opts, inputs)

@@ -1,0 +1,104 @@
+"""Shared Triton helpers: gate activation, numerically careful transcendental functions,
+varlen chunk indices. Everything here runs in the Triton interpreter too (plain ``tl`` ops only)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+# gate modes, as constexpr ints
+GATE_PREGATED = 0
+GATE_SOFTPLUS = 1
+GATE_LOWER_BOUND = 2
+
+
+@triton.jit
+def log1p(x):
+    """log(1 + x), accurate for small x (the rounding of 1 + x is corrected)."""
+    u = 1.0 + x
+    d = u - 1.0
+    return tl.where(d == 0.0, x, tl.log(u) * (x / tl.where(d == 0.0, 1.0, d)))
+
+
+@triton.jit
+def softplus(x):
+    """log(1 + e^x) without overflow or cancellation."""
+    return tl.maximum(x, 0.0) + log1p(tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def activate_gate(b_g, A_log, dt_bias, i_hv, o_k, m_k, lower_bound, GATE: tl.constexpr, HAS_A: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, K: tl.constexpr):
+    """The log-space decay of a [rows, BK] block of raw gate inputs (SPEC section 2), float32."""
+    if GATE == 0:
+        return b_g
+    if HAS_BIAS:
+        b_g = b_g + tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+    if HAS_A:
+        b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    else:
+        b_a = 1.0
+    if GATE == 1:
+        return -b_a * softplus(b_g)
+    return lower_bound * tl.sigmoid(b_a * b_g)
+
+
+@triton.jit
+def mma(x, DT: tl.constexpr, EMU: tl.constexpr):
+    """x as a matrix-product operand of dtype DT. The interpreter's bfloat16 products are wrong
+    (they multiply raw bits), so with EMU the rounding to DT is kept and the product is float32."""
+    if EMU:
+        return x.to(DT).to(tl.float32)
+    return x.to(DT)
+
+
+@triton.jit
+def row_of(x, o_r, r):
+    """Row r of a [R, C] tile, as a [C] vector."""
+    return tl.sum(tl.where(o_r[:, None] == r, x, 0.0), 0)
+
+
+def gate_code(gate) -> int:
+    from ...options import GateMode
+
+    return {GateMode.PREGATED: GATE_PREGATED, GateMode.SOFTPLUS: GATE_SOFTPLUS, GateMode.LOWER_BOUND: GATE_LOWER_BOUND}[gate]
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_tables(lens: tuple[int, ...], C: int, device: str):
+    """(chunk_indices [NT_total, 2] int32: (sequence, chunk in sequence), chunk_offsets [N+1] int32)."""
+    counts = [triton.cdiv(n, C) for n in lens]
+    idx = [(n, c) for n, cnt in enumerate(counts) for c in range(cnt)]
+    offsets = [0]
+    for cnt in counts:
+        offsets.append(offsets[-1] + cnt)
+    ci = torch.tensor(idx, dtype=torch.int32).view(-1, 2)
+    return ci.to(device), torch.tensor(offsets, dtype=torch.int32).to(device)
+
+
+def chunk_tables(cu_host: torch.Tensor, C: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    cu = cu_host.tolist()
+    lens = tuple(cu[i + 1] - cu[i] for i in range(len(cu) - 1))
+    ci, co = _chunk_tables(lens, C, str(device))
+    return ci, co, ci.shape[0]
+
+
+def pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def dot_config(dtype: torch.dtype):
+    """(operand dtype, input precision, emulate) of the matrix products for inputs of ``dtype``."""
+    from ... import platform
+
+    if dtype in (torch.bfloat16, torch.float16):
+        dt = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+        return dt, "tf32", platform.triton_interpret() and dtype == torch.bfloat16
+    return tl.float32, "ieee", False
