@@ -9,6 +9,7 @@ import inspect
 import torch
 
 from .backends import registry
+from . import library  # noqa: F401  (registers the torch.library custom ops)
 from .options import chunk_options, recurrent_options
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "explain"]
@@ -87,6 +88,7 @@ def chunk_kda(
         ``o`` has the dtype of ``v``; ``final_state`` is None unless asked for.
     """
     q, k, v, ctx = _autocast_qkv(q, k, v)
+    compiling = torch.compiler.is_compiling()
     opts, inputs = chunk_options(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
@@ -94,8 +96,17 @@ def chunk_kda(
         safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
         return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, A_log=A_log,
-        dt_bias=dt_bias, chunk_size=chunk_size,
+        dt_bias=dt_bias, chunk_size=chunk_size, check_values=not compiling,
     )
+    if compiling:  # an opaque custom op (fastkda.library) with fake shapes and autograd
+        if return_intermediate_states:
+            raise NotImplementedError("`return_intermediate_states=True` is not supported under torch.compile")
+        o, final = torch.ops.fastkda.chunk_kda(
+            q, k, v, g, beta, opts.scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, opts.lower_bound,
+            state_v_first, cu_seqlens, inputs.A_log, inputs.dt_bias, chunk_size,
+        )
+        return o, (final if output_final_state else None)
     with ctx:
         o, final, h = registry.dispatch("chunk_kda", opts, inputs)
     if return_intermediate_states:
@@ -142,14 +153,24 @@ def fused_recurrent_kda(
         ``output_final_state``, the updated pool with ``inplace_final_state``, else None.
     """
     q, k, v, ctx = _autocast_qkv(q, k, v)
+    compiling = torch.compiler.is_compiling()
     opts, inputs = recurrent_options(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
         cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-        inplace_final_state=inplace_final_state,
+        inplace_final_state=inplace_final_state, check_values=not compiling,
     )
+    if compiling:
+        o, final = torch.ops.fastkda.fused_recurrent_kda(
+            q, k, v, g, beta, inputs.A_log, inputs.dt_bias, opts.scale, initial_state, output_final_state,
+            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+            opts.lower_bound, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state,
+        )
+        if inplace_final_state:
+            return o, initial_state
+        return o, (final if output_final_state else None)
     with ctx:
         return registry.dispatch("fused_recurrent_kda", opts, inputs)
 

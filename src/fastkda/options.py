@@ -182,8 +182,9 @@ def _gate_params(
     return GateMode.SOFTPLUS if lower_bound is None else GateMode.LOWER_BOUND
 
 
-def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch.Tensor, check_values: bool):
-    """Checks cu_seqlens; returns (N, host copy or None)."""
+def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch.Tensor, check_values: bool | None):
+    """Checks cu_seqlens; returns (N, host copy or None). check_values: True always reads the
+    values (a device-to-host copy), None only when they are on the CPU, False never."""
     cu = _tensor("cu_seqlens", cu_seqlens)
     if B != 1:
         raise ValueError(f"`cu_seqlens` needs the batch flattened to 1 (inputs [1, total_T, ...]), got batch size {B}")
@@ -198,7 +199,7 @@ def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch
         if host.device.type != "cpu" or host.shape != cu.shape or host.dtype not in INDEX_DTYPES:
             raise ValueError(f"`cu_seqlens_cpu` must be a CPU int tensor shaped like cu_seqlens {list(cu.shape)}, got {_fmt(host)}")
         host = host.to(torch.int64)
-    elif check_values or cu.device.type == "cpu":
+    elif check_values or (check_values is None and cu.device.type == "cpu"):
         host = cu.detach().to("cpu", torch.int64)
     if host is not None:
         vals = host.tolist()
@@ -279,6 +280,7 @@ def chunk_options(
     q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
     use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
     return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context, A_log, dt_bias, chunk_size,
+    check_values: bool = True,
 ) -> tuple[KDAOptions, KDAInputs]:
     flags = dict(
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -295,7 +297,7 @@ def chunk_options(
             raise ValueError("`initial_state` cannot be used with `cp_context` (each rank's incoming state comes from the ranks before it)")
         if output_final_state:
             raise ValueError("`output_final_state=True` cannot be used with `cp_context`")
-    shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values=True)
+    shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values=check_values)
     lower_bound = _lower_bound(lower_bound)
     _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
     gate = _gate_params(use_gate_in_kernel, A_log, dt_bias, lower_bound, shape.HV, shape.K, q)
@@ -325,7 +327,7 @@ def chunk_options(
 def recurrent_options(
     q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
-    ssm_state_indices, num_accepted_tokens, inplace_final_state,
+    ssm_state_indices, num_accepted_tokens, inplace_final_state, check_values: bool = True,
 ) -> tuple[KDAOptions, KDAInputs]:
     flags = dict(
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -335,7 +337,7 @@ def recurrent_options(
     for name, val in flags.items():
         _bool(name, val)
     # decoding must not synchronise with the host: cu_seqlens values are checked only when on the CPU
-    shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, None, check_cu_values=False)
+    shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, None, check_cu_values=None if check_values else False)
     lower_bound = _lower_bound(lower_bound)
     _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, False, lower_bound)
     gate = _gate_params(use_gate_in_kernel, A_log, dt_bias, lower_bound, shape.HV, shape.K, q)

@@ -189,7 +189,7 @@ def chunk_forward(opts: KDAOptions, x: KDAInputs):
         o_pad = (qg @ H_all + Aqk @ torch.stack(vns).view_as(u)).permute(1, 0, 3, 2, 4)  # [N, NT, C, HV, V]
     else:
         H_all, o_pad = q.new_zeros(0, N, s.HV, s.K, s.V), q.new_zeros(N, 0, C, s.HV, s.V)
-    o = lay.unpad(o_pad.flatten(1, 2)).to(x.v.dtype)  # [B, T, HV, V]
+    o = lay.unpad(o_pad.flatten(1, 2)).to(x.v.dtype).contiguous()  # [B, T, HV, V]
 
     final = None
     if opts.output_final_state:
@@ -267,7 +267,7 @@ def recurrent_forward(opts: KDAOptions, x: KDAInputs):
             states.append(S)
     o_pad = torch.stack(outs, 1) if outs else q.new_zeros(N, 0, s.HV, s.V)
     o_pad = o_pad * live[:, None, None, None]
-    o = lay.unpad(o_pad).to(x.v.dtype)
+    o = lay.unpad(o_pad).to(x.v.dtype).contiguous()
     S = S * live[:, None, None, None]
 
     def layout(t):

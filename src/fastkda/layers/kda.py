@@ -1,0 +1,224 @@
+"""KimiDeltaAttention: the token mixer of the Kimi Linear family as an ``nn.Module``.
+
+    x -> q, k, v projections -> short causal depthwise conv + SiLU -> KDA (l2norm on q/k,
+    gate -exp(A_log) softplus(f(x) + dt_bias) or the safe lower-bound gate, beta = sigmoid(b(x)))
+    -> gated RMSNorm with a low-rank output gate -> output projection
+
+Chunk mode (training, prefill) runs ``chunk_kda``; recurrent mode (decoding) runs
+``fused_recurrent_kda``. A :class:`KDACache` keeps, per layer, the last ``conv_size - 1``
+projected inputs of every sequence and the recurrent state, so that prefill followed by decode
+steps gives the numbers of one long forward. Parameter names follow the public Kimi Linear
+checkpoints (see docs/layer.md for the mapping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..api import chunk_kda, fused_recurrent_kda
+
+__all__ = ["KimiDeltaAttention", "KDACache", "ShortConvolution", "GatedRMSNorm"]
+
+
+def _seq_starts(T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """For every token of a flattened batch, the index of the first token of its sequence."""
+    if cu_seqlens is None:
+        return torch.zeros(T, dtype=torch.long, device=device)
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    seq = torch.searchsorted(cu[1:], torch.arange(T, device=device), right=True)
+    return cu[seq]
+
+
+class ShortConvolution(nn.Module):
+    """Causal depthwise 1-D convolution over time with SiLU, sequence- and cache-aware.
+
+    ``weight`` is ``[hidden, 1, kernel_size]`` (the layout of ``nn.Conv1d(groups=hidden)``). With
+    ``cu_seqlens`` no window reaches into the previous sequence. ``cache`` ``[N, hidden,
+    kernel_size - 1]`` holds the inputs before the first token of every sequence; the new cache
+    (the last ``kernel_size - 1`` inputs, older ones from the old cache) is returned when asked.
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int = 4, bias: bool = False, activation: str | None = "silu"):
+        super().__init__()
+        if activation not in (None, "silu"):
+            raise ValueError(f"`activation` must be 'silu' or None, got {activation!r}")
+        self.hidden_size, self.kernel_size, self.activation = hidden_size, kernel_size, activation
+        self.weight = nn.Parameter(torch.empty(hidden_size, 1, kernel_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, output_final_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        """x: ``[B, T, hidden]`` (B = 1 with ``cu_seqlens``). Returns ``(y, new_cache or None)``."""
+        B, T, D = x.shape
+        W = self.kernel_size
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        if cache is None:
+            cache = x.new_zeros(N, D, W - 1)
+        if cu_seqlens is None:
+            xp = torch.cat([cache.transpose(1, 2).to(x.dtype), x], 1)  # [B, W - 1 + T, D]
+            win = xp.unfold(1, W, 1)  # [B, T, D, W]: inputs t-W+1..t
+        else:
+            start = _seq_starts(T, cu_seqlens, x.device)
+            t = torch.arange(T, device=x.device)
+            src = t[:, None] - (W - 1) + torch.arange(W, device=x.device)[None, :]  # [T, W] input positions
+            seq = torch.searchsorted(cu_seqlens.to(x.device, torch.long)[1:], t, right=True)
+            inside = src >= start[:, None]
+            # a position before its sequence start reads that sequence's cache, slot W-1 + (src - start)
+            slot = (src - start[:, None] + (W - 1)).clamp(0, W - 2)
+            from_cache = cache.to(x.dtype)[seq[:, None], :, slot]  # [T, W, D]
+            win = torch.where(inside[..., None], x[0, src.clamp(min=0)], from_cache)
+            win = win.transpose(1, 2)[None]  # [1, T, D, W]
+        y = (win * self.weight[:, 0, :].to(x.dtype)).sum(-1)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        if self.activation == "silu":
+            y = F.silu(y)
+        new_cache = None
+        if output_final_state:
+            new_cache = self._final_cache(x, cache, cu_seqlens)
+        return y, new_cache
+
+    def _final_cache(self, x, cache, cu_seqlens):
+        W = self.kernel_size
+        if cu_seqlens is None:
+            return torch.cat([cache.to(x.dtype), x.transpose(1, 2)], 2)[..., -(W - 1):].to(cache.dtype)
+        cu = cu_seqlens.tolist()
+        out = []
+        for n in range(len(cu) - 1):
+            seq = x[0, cu[n]: cu[n + 1]].transpose(0, 1)  # [D, L]
+            out.append(torch.cat([cache[n].to(x.dtype), seq], 1)[:, -(W - 1):])
+        return torch.stack(out).to(cache.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``rmsnorm(x) * weight * sigmoid(gate)`` over the last dim (float32 inside)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+@dataclass
+class KDACache:
+    """Per-layer decoding state: ``conv_states[layer] = (q, k, v)`` caches ``[N, dim, conv - 1]``
+    and ``recurrent_states[layer]`` ``[N, HV, K, V]`` float32; N sequences."""
+
+    conv_states: dict = field(default_factory=dict)
+    recurrent_states: dict = field(default_factory=dict)
+    seen_tokens: int = 0
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep sequences ``index`` (beam search, finished sequences)."""
+        for layer, states in self.conv_states.items():
+            self.conv_states[layer] = tuple(s.index_select(0, index) for s in states)
+        for layer, s in self.recurrent_states.items():
+            self.recurrent_states[layer] = s.index_select(0, index)
+
+
+class KimiDeltaAttention(nn.Module):
+    """Kimi Delta Attention layer.
+
+    Args:
+        hidden_size: model width.
+        num_heads: q/k heads H. ``num_v_heads`` (HV, default H): value heads (GVA when HV > H).
+        head_dim: K (also V unless ``head_v_dim`` is given).
+        conv_size: short convolution width (0 disables it).
+        lower_bound: None for the softplus gate; a value in [-5, 0) selects the safe lower-bound gate.
+        mode: "chunk" (default), "fused_recurrent", or "auto" (recurrent for short inputs at inference).
+        layer_idx: key of this layer in a :class:`KDACache`.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, num_v_heads: int | None = None,
+                 head_v_dim: int | None = None, conv_size: int = 4, lower_bound: float | None = None,
+                 mode: str = "auto", norm_eps: float = 1e-6, layer_idx: int = 0, chunk_size: int = 64):
+        super().__init__()
+        if mode not in ("auto", "chunk", "fused_recurrent"):
+            raise ValueError(f"`mode` must be 'auto', 'chunk' or 'fused_recurrent', got {mode!r}")
+        if lower_bound is not None and not (-5.0 <= lower_bound < 0.0):
+            raise ValueError(f"`lower_bound` must be in [-5, 0) (the safe gate), got {lower_bound}")
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.num_v_heads = num_v_heads or num_heads
+        if self.num_v_heads % num_heads:
+            raise ValueError(f"`num_v_heads`={self.num_v_heads} must be a multiple of `num_heads`={num_heads}")
+        self.head_v_dim = head_v_dim or head_dim
+        self.conv_size, self.lower_bound, self.mode = conv_size, lower_bound, mode
+        self.layer_idx, self.chunk_size = layer_idx, chunk_size
+        key_dim, value_dim = num_heads * head_dim, self.num_v_heads * self.head_v_dim
+        self.q_proj = nn.Linear(hidden_size, key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, value_dim, bias=False)
+        if conv_size > 0:
+            self.q_conv1d = ShortConvolution(key_dim, conv_size)
+            self.k_conv1d = ShortConvolution(key_dim, conv_size)
+            self.v_conv1d = ShortConvolution(value_dim, conv_size)
+        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)  # low-rank forget gate
+        self.f_b_proj = nn.Linear(head_dim, self.num_v_heads * head_dim, bias=False)
+        self.b_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32).uniform_(1, 16).log())
+        self.dt_bias = nn.Parameter(torch.zeros(self.num_v_heads * head_dim, dtype=torch.float32))
+        self.g_a_proj = nn.Linear(hidden_size, self.head_v_dim, bias=False)  # low-rank output gate
+        self.g_b_proj = nn.Linear(self.head_v_dim, value_dim, bias=False)
+        self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(value_dim, hidden_size, bias=False)
+        self._register_load_state_dict_pre_hook(self._load_hook)
+
+    @staticmethod
+    def _load_hook(state_dict, prefix, *args):
+        """Checkpoints store A_log as [1, 1, HV, 1]; keep the values, drop the unit dims."""
+        key = prefix + "A_log"
+        if key in state_dict and state_dict[key].dim() != 1:
+            state_dict[key] = state_dict[key].reshape(-1)
+
+    def _conv(self, name, x, cache, layer_cache, cu_seqlens):
+        if self.conv_size == 0:
+            return x, None
+        conv = getattr(self, f"{name}_conv1d")
+        return conv(x, cache=layer_cache, output_final_state=cache is not None, cu_seqlens=cu_seqlens)
+
+    def forward(self, hidden_states: torch.Tensor, cache: KDACache | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden_states`` ``[B, T, hidden]`` (B = 1 with ``cu_seqlens``) -> ``[B, T, hidden]``.
+
+        With ``cache``, the states of this layer are read (if present) and updated in it.
+        """
+        B, T, _ = hidden_states.shape
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
+        conv_q = conv_k = conv_v = None
+        state = None
+        if cache is not None:
+            conv_q, conv_k, conv_v = cache.conv_states.get(self.layer_idx, (None, None, None))
+            state = cache.recurrent_states.get(self.layer_idx)
+        q, conv_q = self._conv("q", self.q_proj(hidden_states), cache, conv_q, cu_seqlens)
+        k, conv_k = self._conv("k", self.k_proj(hidden_states), cache, conv_k, cu_seqlens)
+        v, conv_v = self._conv("v", self.v_proj(hidden_states), cache, conv_v, cu_seqlens)
+        g = self.f_b_proj(self.f_a_proj(hidden_states))
+        beta = self.b_proj(hidden_states)
+        q, k = q.view(B, T, H, K), k.view(B, T, H, K)
+        v, g = v.view(B, T, HV, V), g.view(B, T, HV, K)
+        kw = dict(
+            initial_state=state, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
+            lower_bound=self.lower_bound, cu_seqlens=cu_seqlens,
+        )
+        recurrent = self.mode == "fused_recurrent" or (self.mode == "auto" and not self.training and T <= 64)
+        if recurrent:
+            o, state = fused_recurrent_kda(q, k, v, g, beta, **kw)
+        else:
+            o, state = chunk_kda(q, k, v, g, beta, safe_gate=self.lower_bound is not None, chunk_size=self.chunk_size, **kw)
+        if cache is not None:
+            cache.conv_states[self.layer_idx] = (conv_q, conv_k, conv_v)
+            cache.recurrent_states[self.layer_idx] = state
+        gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(B, T, HV, V)
+        o = self.o_norm(o, gate)
+        return self.o_proj(o.reshape(B, T, HV * V))

@@ -1,0 +1,166 @@
+"""``torch.library`` custom ops, so that ``torch.compile(fullgraph=True)`` sees the operators as
+opaque nodes with known output shapes.
+
+``fastkda::chunk_kda`` and its backward ``fastkda::chunk_kda_backward`` (which recomputes the
+forward with autograd through the backend's differentiable implementation), and
+``fastkda::fused_recurrent_kda`` (forward only; it may write the state pool in place). The public
+functions route here only while compiling; eager calls go straight to the backend registry.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .backends import registry
+from .options import chunk_options, recurrent_options
+
+_GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+
+
+def _chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+           use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
+           dt_bias, chunk_size):
+    opts, inputs = chunk_options(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate,
+        lower_bound=lower_bound, disable_recompute=False, return_intermediate_states=False,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, cp_context=None, A_log=A_log,
+        dt_bias=dt_bias, chunk_size=chunk_size,
+    )
+    o, final, _ = registry.dispatch("chunk_kda", opts, inputs)
+    return o, final
+
+
+@torch.library.custom_op("fastkda::chunk_kda", mutates_args=())
+def chunk_kda_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, initial_state: Optional[Tensor],
+    output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, safe_gate: bool, lower_bound: Optional[float],
+    state_v_first: bool, cu_seqlens: Optional[Tensor], A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+    chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    o, final = _chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                      state_v_first, cu_seqlens, A_log, dt_bias, chunk_size)
+    o = o.detach().contiguous()
+    return o, (final.detach().contiguous() if final is not None else q.new_empty(0, dtype=torch.float32))
+
+
+def _state_shape(q, v, initial_state, cu_seqlens, state_v_first):
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    return (N, HV, V, K) if state_v_first else (N, HV, K, V)
+
+
+@chunk_kda_op.register_fake
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+      use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log, dt_bias,
+      chunk_size):
+    o = v.new_empty(v.shape)
+    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if not output_final_state:
+        return o, q.new_empty(0, dtype=torch.float32)
+    return o, q.new_empty(_state_shape(q, v, initial_state, cu_seqlens, state_v_first), dtype=sdt)
+
+
+@torch.library.custom_op("fastkda::chunk_kda_backward", mutates_args=())
+def chunk_kda_backward_op(
+    do: Tensor, dfinal: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+    initial_state: Optional[Tensor], output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, safe_gate: bool,
+    lower_bound: Optional[float], state_v_first: bool, cu_seqlens: Optional[Tensor], A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor], chunk_size: int,
+) -> list[Tensor]:
+    """Gradients of (q, k, v, g, beta, initial_state, A_log, dt_bias); empty for absent inputs."""
+    named = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
+    diff = [n for n, t in named.items() if t is not None and t.is_floating_point()]
+    with_final = output_final_state and dfinal.numel() > 0
+
+    def forward(*ts):
+        a = {**named, **dict(zip(diff, ts))}
+        o, final = _chunk(a["q"], a["k"], a["v"], a["g"], a["beta"], scale, a["initial_state"], with_final,
+                          use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                          safe_gate, lower_bound, state_v_first, cu_seqlens, a["A_log"], a["dt_bias"], chunk_size)
+        return (o, final) if with_final else (o,)
+
+    # custom ops run below the autograd dispatch key; torch.func's own transform still records
+    _, vjp = torch.func.vjp(forward, *(named[n] for n in diff))
+    got = vjp((do, dfinal) if with_final else (do,))
+    got = dict(zip(diff, got))
+    res = []
+    for n in _GRAD_NAMES:
+        t = named[n]
+        if t is None:
+            res.append(q.new_empty(0))
+        else:
+            d = got.get(n)
+            out = torch.empty_like(t)  # the layout of the fake implementation
+            res.append(out.zero_() if d is None else out.copy_(d))
+    return res
+
+
+@chunk_kda_backward_op.register_fake
+def _(do, dfinal, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first,
+      cu_seqlens, A_log, dt_bias, chunk_size):
+    named = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
+    return [q.new_empty(0) if named[n] is None else torch.empty_like(named[n]) for n in _GRAD_NAMES]
+
+
+_ARG_NAMES = ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
+              "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound",
+              "state_v_first", "cu_seqlens", "A_log", "dt_bias", "chunk_size")
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.args = dict(zip(_ARG_NAMES, inputs))
+    tensors = [ctx.args[n] for n in _ARG_NAMES if isinstance(ctx.args[n], Tensor)]
+    ctx.tensor_names = [n for n in _ARG_NAMES if isinstance(ctx.args[n], Tensor)]
+    ctx.save_for_backward(*tensors)
+
+
+def _backward(ctx, do, dfinal):
+    args = dict(ctx.args)
+    args.update(zip(ctx.tensor_names, ctx.saved_tensors))
+    grads = dict(zip(_GRAD_NAMES, chunk_kda_backward_op(do, dfinal, *(args[n] for n in _ARG_NAMES))))
+    return tuple(grads.get(n) if args[n] is not None and n in grads else None for n in _ARG_NAMES)
+
+
+chunk_kda_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("fastkda::fused_recurrent_kda", mutates_args=("initial_state",))
+def fused_recurrent_kda_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+    scale: float, initial_state: Optional[Tensor], output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, lower_bound: Optional[float],
+    state_v_first: bool, cu_seqlens: Optional[Tensor], ssm_state_indices: Optional[Tensor],
+    num_accepted_tokens: Optional[Tensor], inplace_final_state: bool,
+) -> tuple[Tensor, Tensor]:
+    opts, inputs = recurrent_options(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+        inplace_final_state=inplace_final_state,
+    )
+    o, final = registry.dispatch("fused_recurrent_kda", opts, inputs)
+    if inplace_final_state or final is None:  # the pool itself is the caller's tensor: no aliasing output
+        final = q.new_empty(0, dtype=torch.float32)
+    return o.contiguous(), final.contiguous()
+
+
+@fused_recurrent_kda_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
+      ssm_state_indices, num_accepted_tokens, inplace_final_state):
+    o = v.new_empty(v.shape)
+    if inplace_final_state or not output_final_state:
+        return o, q.new_empty(0, dtype=torch.float32)
+    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return o, q.new_empty(_state_shape(q, v, None, cu_seqlens, state_v_first), dtype=sdt)

@@ -1,0 +1,23 @@
+"""The command line: fastkda check and fastkda bench, end to end at tiny sizes."""
+
+from fastkda.cli import main
+
+
+def test_check_quick_passes(capsys):
+    assert main(["check", "--quick", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "all passed" in out and "chunk_kda bwd" in out and "fused_recurrent_kda" in out
+
+
+def test_bench_writes_table_and_plot(tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main(["bench", "--device", "cpu", "--seqlens", "32,64", "--heads", "1", "--dim", "16",
+                 "--repeats", "1", "--backward", "--out", str(out)]) == 0
+    md = (out / "bench.md").read_text()
+    assert "| chunk | fastkda | 64 |" in md and "reference loop" in md and "forward+backward" in md
+    png = (out / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_unknown_command(capsys):
+    assert main(["nope"]) == 2
