@@ -71,9 +71,20 @@ def test_chunk_kda_rule(name, over, exc, match):
         chunk_kda(**base(**over))
 
 
-def test_cp_context_not_available_yet():
-    with pytest.raises(NotImplementedError, match="cp_context"):
+def test_cp_context_rules():
+    from fastkda.distributed import CPContext
+
+    with pytest.raises(TypeError, match=r"`cp_context` must be a fastkda.distributed.CPContext, got object"):
         chunk_kda(**base(cp_context=object()))
+    ctx = CPContext(cu_seqlens=torch.tensor([0, 2 * T]), rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"pass the global `cu_seqlens` to the CPContext"):
+        chunk_kda(**base(cp_context=ctx, cu_seqlens=torch.tensor([0, T])))
+    with pytest.raises(ValueError, match=r"this rank's shard \[1, 20, H, K\], got \[1, 19, 2, 16\]"):
+        chunk_kda(**base(q=torch.randn(1, T - 1, H, K), cp_context=ctx))
+    with pytest.raises(ValueError, match=r"must be a multiple of the world size 3"):
+        CPContext(cu_seqlens=torch.tensor([0, 10]), rank=0, world_size=3)
+    with pytest.raises(ValueError, match=r"must start at 0 and be non-decreasing"):
+        CPContext(cu_seqlens=torch.tensor([0, 8, 6]), rank=0, world_size=2)
 
 
 def test_valid_base_call_runs():

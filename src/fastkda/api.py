@@ -80,7 +80,8 @@ def chunk_kda(
         state_v_first: states are ``[V, K]`` instead of ``[K, V]``.
         cu_seqlens: ``[N+1]`` int32/int64 sequence boundaries of a flattened batch (B = 1);
             cu_seqlens_cpu: its host copy, saves a device-to-host copy.
-        cp_context: context parallelism (not available yet).
+        cp_context: a :class:`fastkda.distributed.CPContext`: q, k, v, g, beta are this rank's shard
+            of one global (varlen) batch; incoming states come from the ranks before it.
         A_log: ``[HV]``; dt_bias: ``[HV*K]``; chunk_size: 32 or 64.
 
     Returns:
@@ -98,6 +99,15 @@ def chunk_kda(
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, A_log=A_log,
         dt_bias=dt_bias, chunk_size=chunk_size, check_values=not compiling,
     )
+    if cp_context is not None:
+        from .distributed.cp import chunk_kda_cp
+
+        kw = dict(scale=opts.scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                  safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute, A_log=A_log,
+                  dt_bias=dt_bias, chunk_size=chunk_size)
+        with ctx:
+            return chunk_kda_cp(chunk_kda, q, k, v, g, beta, kw, cp_context), None
     if compiling:  # an opaque custom op (fastkda.library) with fake shapes and autograd
         if return_intermediate_states:
             raise NotImplementedError("`return_intermediate_states=True` is not supported under torch.compile")

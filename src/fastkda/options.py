@@ -293,10 +293,21 @@ def chunk_options(
     if isinstance(chunk_size, bool) or chunk_size not in (32, 64):
         raise ValueError(f"`chunk_size` must be 32 or 64, got {chunk_size!r}")
     if cp_context is not None:
+        from .distributed.cp import CPContext
+
         if initial_state is not None:
             raise ValueError("`initial_state` cannot be used with `cp_context` (each rank's incoming state comes from the ranks before it)")
         if output_final_state:
             raise ValueError("`output_final_state=True` cannot be used with `cp_context`")
+        if not isinstance(cp_context, CPContext):
+            raise TypeError(f"`cp_context` must be a fastkda.distributed.CPContext, got {type(cp_context).__name__}")
+        if cu_seqlens is not None:
+            raise ValueError("with `cp_context`, pass the global `cu_seqlens` to the CPContext, not to chunk_kda")
+        if return_intermediate_states:
+            raise ValueError("`return_intermediate_states=True` cannot be used with `cp_context`")
+        if not (isinstance(q, torch.Tensor) and q.ndim == 4 and q.shape[0] == 1 and q.shape[1] == cp_context.T_local):
+            got = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"with `cp_context`, `q` must be this rank's shard [1, {cp_context.T_local}, H, K], got {got}")
     shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values=check_values)
     lower_bound = _lower_bound(lower_bound)
     _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
@@ -305,8 +316,6 @@ def chunk_options(
         _state("initial_state", _tensor("initial_state", initial_state), shape.N, shape, state_v_first, q)
     if return_intermediate_states and not torch.is_inference_mode_enabled():
         raise ValueError("`return_intermediate_states=True` is for inference only: call it inside torch.inference_mode()")
-    if cp_context is not None:
-        raise NotImplementedError("`cp_context` (context parallelism) is not supported yet in this release of fastkda")
     opts = KDAOptions(
         op="chunk", shape=shape, scale=scale, qk_l2norm=use_qk_l2norm_in_kernel, gate=gate,
         lower_bound=lower_bound, safe_gate=safe_gate, beta_sigmoid=use_beta_sigmoid_in_kernel,

@@ -1,0 +1,5 @@
+"""Context parallelism over torch.distributed."""
+
+from .cp import CPContext
+
+__all__ = ["CPContext"]

@@ -1,0 +1,126 @@
+"""Context parallelism: one long (varlen) batch sharded along tokens over a process group.
+
+Rank r holds tokens [r * T_local, (r + 1) * T_local) of the flattened global batch. It runs its
+shard from a zero state; the true state entering the shard is recovered from one exchange:
+
+- a segment's state map is affine, ``S_end = A S_in + B`` with ``A = prod_t (I - beta_t k_t k_t^T)
+  Diag(exp(g_t))`` (K x K per value head). ``B`` is the segment's final state from zero, ``A`` the
+  final state of the same segment run with ``v = 0`` from ``S_in = I``; that run's outputs are
+  ``A_{1..t}^T scale q_t``, so the output correction for a true ``S_in`` is one product.
+- every rank contributes (A, B) of its last segment to one all-gather (autograd-aware, so the
+  backward routes state gradients back across ranks the same way), then composes the maps of the
+  ranks before it: ``S_in(r) = A_{r-1} S_in(r-1) + B_{r-1}``, reset to 0 where a sequence starts
+  exactly at a shard boundary. No rank waits for another's computation.
+
+Bytes per rank and layer, forward: it sends ``HV * K * (K + V) * 4`` and receives that from each of
+the other ranks; the backward moves the same amount (docs/context_parallel.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CPContext"]
+
+
+@dataclass
+class CPContext:
+    """Which tokens this rank holds, from a process group and the *global* ``cu_seqlens``.
+
+    Args:
+        group: a ``torch.distributed`` process group (None: the default group).
+        cu_seqlens: ``[N+1]`` boundaries of the global flattened batch (any device; read once).
+        rank, world_size: taken from ``group`` when not given.
+
+    The global length must divide evenly by the world size. ``chunk_kda(q_local, ...,
+    cp_context=ctx)`` takes this rank's shard ``[1, T_local, ...]``.
+    """
+
+    group: object = None
+    cu_seqlens: torch.Tensor | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    bytes_sent: int = field(default=0, init=False)  # forward exchange volume of this rank, all calls
+    bytes_received: int = field(default=0, init=False)
+
+    def __post_init__(self):
+        if self.cu_seqlens is None:
+            raise ValueError("`cu_seqlens` (the global sequence boundaries) is required for a CPContext")
+        if self.rank is None:
+            self.rank = dist.get_rank(self.group)
+        if self.world_size is None:
+            self.world_size = dist.get_world_size(self.group)
+        cu = [int(x) for x in torch.as_tensor(self.cu_seqlens).tolist()]
+        if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"`cu_seqlens` must start at 0 and be non-decreasing, got {cu[:8]}")
+        T = cu[-1]
+        if T % self.world_size:
+            raise ValueError(f"the global length T={T} must be a multiple of the world size {self.world_size}")
+        self.global_cu = cu
+        self.T_local = T // self.world_size
+        lo, hi = self.rank * self.T_local, (self.rank + 1) * self.T_local
+        self.lo, self.hi = lo, hi
+        inner = sorted({c - lo for c in cu if lo < c < hi})
+        self.local_cu = [0, *inner, self.T_local]
+        # does a sequence start exactly at the shard start of rank j (then nothing carries in)?
+        self.fresh = [(j * self.T_local) in set(cu) for j in range(self.world_size)]
+
+    @property
+    def first_len(self) -> int:
+        """Tokens of the first local segment (the one a carried-in state reaches)."""
+        return self.local_cu[1]
+
+    def local_cu_seqlens(self, device) -> torch.Tensor:
+        return torch.tensor(self.local_cu, dtype=torch.int32, device=device)
+
+
+def _all_gather(t: torch.Tensor, ctx: CPContext) -> list[torch.Tensor]:
+    import torch.distributed.nn.functional as dfn
+
+    n = t.numel() * t.element_size()
+    ctx.bytes_sent += n
+    ctx.bytes_received += n * (ctx.world_size - 1)
+    return list(dfn.all_gather(t.contiguous(), group=ctx.group))
+
+
+def chunk_kda_cp(run, q, k, v, g, beta, kw: dict, ctx: CPContext):
+    """Context-parallel chunk_kda. ``run(q, k, v, g, beta, **kw)`` is the single-device operator
+    (called with ``cu_seqlens``, ``initial_state``, ``output_final_state`` set here)."""
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    dev = q.device
+    cu = ctx.local_cu_seqlens(dev)
+    o, finals = run(q, k, v, g, beta, cu_seqlens=cu, initial_state=None, output_final_state=True,
+                    state_v_first=False, **kw)
+    L0 = ctx.first_len
+    carried_in = not ctx.fresh[ctx.rank]
+    spans = len(ctx.local_cu) == 2  # one segment covers the whole shard
+    A_first = Q_eff = None
+    if carried_in:
+        # the first segment from S_in = I with v = 0: final state A, outputs A_{1..t}^T scale q_t
+        eye = torch.eye(K, device=dev, dtype=torch.float32).expand(1, HV, K, K).contiguous()
+        sl = slice(0, L0)
+        zeros_v = q.new_zeros(1, L0, HV, K, dtype=v.dtype)
+        Q_eff, A_first = run(q[:, sl], k[:, sl], zeros_v, g[:, sl], beta[:, sl], cu_seqlens=None, initial_state=eye,
+                             output_final_state=True, state_v_first=False, **kw)
+    # this rank's outgoing map S_out = A_out S_in + B_out; A_out = 0 unless one carried-in segment spans the shard
+    A_out = A_first[0] if spans and carried_in else torch.zeros(HV, K, K, device=dev, dtype=torch.float32)
+    B_out = finals[-1]
+    # one collective for both maps: the backward then has a single, same-ordered exchange on every rank
+    maps = _all_gather(torch.cat([A_out, B_out], -1), ctx)
+    As = [m[..., :K] for m in maps]
+    Bs = [m[..., K:] for m in maps]
+    S_in = torch.zeros(HV, K, V, device=dev, dtype=torch.float32)
+    for j in range(ctx.rank):
+        S_in = As[j] @ S_in + Bs[j]
+        if ctx.fresh[j + 1]:
+            S_in = torch.zeros_like(S_in)
+    if carried_in and L0 > 0:
+        corr = torch.einsum("thk,hkv->thv", Q_eff[0].float(), S_in)
+        o = torch.cat([o[:, :L0] + corr[None].to(o.dtype), o[:, L0:]], 1)
+    # every rank's output touches every gathered map (times 0), so that every rank takes part in
+    # the backward collective even when its own state needs nothing from the others
+    touch = sum(m.sum() for m in maps) * 0.0
+    return o + touch.to(o.dtype)

@@ -1,0 +1,137 @@
+"""Context parallelism: gloo process groups of 2 and 4 ranks on this machine; forward and
+backward equal the single-process run, ragged varlen batches crossing rank boundaries."""
+
+import datetime
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GRAD_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, lens, seed, backend_name, grads, errfile):
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))  # a mismatch fails instead of hanging
+        from fastkda import chunk_kda, use_backend
+        from fastkda.distributed import CPContext
+        from fastkda.testing import Case, make_inputs, rel_rms
+
+        case = Case(seqlens=tuple(lens), H=1, HV=2, K=16, V=24, gate="softplus", l2norm=True, beta_sigmoid=True,
+                    initial_state=False, final_state=False)
+        x = make_inputs(case, generator=torch.Generator().manual_seed(seed), requires_grad=grads)
+        cu = x.pop("cu_seqlens")
+        x.pop("output_final_state")
+        T = int(cu[-1])
+        do = torch.randn(1, T, 2, 24, generator=torch.Generator().manual_seed(seed + 1))
+        # the single-process run on the whole batch
+        with use_backend("torch"):
+            o_full, _ = chunk_kda(**x, cu_seqlens=cu)
+        names = [n for n in GRAD_NAMES if isinstance(x.get(n), torch.Tensor)]
+        if grads:
+            full = torch.autograd.grad((o_full * do).sum(), [x[n] for n in names])
+        ctx = CPContext(cu_seqlens=cu)
+        lo, hi = ctx.lo, ctx.hi
+        shard = {n: (t.detach()[:, lo:hi].requires_grad_(grads) if n in ("q", "k", "v", "g", "beta")
+                     else (t.detach().requires_grad_(grads) if isinstance(t, torch.Tensor) else t)) for n, t in x.items()}
+        with use_backend(backend_name):
+            o, s = chunk_kda(**shard, cp_context=ctx)
+        assert s is None
+        err = rel_rms(o, o_full[:, lo:hi].detach())
+        assert err < 2e-5, f"rank {rank}: output error {err:.2e}"
+        if grads:
+            got = torch.autograd.grad((o * do[:, lo:hi]).sum(), [shard[n] for n in names])
+            for n, gl, gf in zip(names, got, full):
+                if n in ("A_log", "dt_bias"):  # shared parameters: the ranks' gradients add up
+                    gl = gl.clone()
+                    dist.all_reduce(gl)
+                else:
+                    gf = gf[:, lo:hi]
+                err = rel_rms(gl, gf)
+                assert err < 5e-5, f"rank {rank}: d{n} error {err:.2e}"
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(errfile, "a") as f:
+            f.write(f"rank {rank}:\n{traceback.format_exc()}\n")
+        raise
+    # leave without running the interpreter's teardown: gloo's background threads occasionally
+    # abort the process there ("terminate called without an active exception") after all work is done
+    os._exit(0)
+
+
+def _spawn(world, lens, backend="torch", grads=True, tmp_path=None):
+    errfile = str(tmp_path / "err.txt")
+    seed = int.from_bytes(os.urandom(3), "little")
+    try:
+        mp.spawn(_worker, args=(world, _free_port(), lens, seed, backend, grads, errfile), nprocs=world, join=True)
+    except Exception as e:
+        msg = open(errfile).read() if os.path.exists(errfile) else ""
+        pytest.fail(f"seed={seed} lens={lens}: {type(e).__name__}: {e}\n{msg}")
+
+
+@pytest.mark.parametrize(
+    "world,lens",
+    [
+        (2, [37, 90, 1]),            # one sequence crosses the boundary, the shard start is mid-sequence
+        (2, [64, 64]),               # a sequence starts exactly at the boundary
+        (4, [5, 150, 0, 60, 41]),    # a sequence spans two whole shards (carried through a rank)
+        (4, [256]),                  # one sequence over all ranks
+    ],
+)
+def test_cp_gloo_forward_backward(world, lens, tmp_path):
+    _spawn(world, lens, tmp_path=tmp_path)
+
+
+def test_cp_gloo_triton_forward(tmp_path):
+    """The Triton backend (interpreter) serves the ranks' forward."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("Triton needs a GPU or the interpreter")
+    _spawn(2, [50, 30, 48], backend="triton", grads=False, tmp_path=tmp_path)
+
+
+def test_torchrun_example_and_exchange_volume():
+    """The documented torchrun example runs (gloo, 2 ranks) and reports HV*K*(K+V)*4 bytes per rank."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.path.join(root, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+         os.path.join(root, "examples", "context_parallel.py")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    H, K, V = 4, 64, 64
+    assert f"{H * K * (K + V) * 4} B sent, {H * K * (K + V) * 4} B received" in out.stdout, out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two or more GPUs")
+def test_cp_nccl_example():
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    n = min(torch.cuda.device_count(), 8)
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", str(_free_port()),
+         os.path.join(root, "examples", "context_parallel.py"), "--cuda", "--seqlens", "7000,1000,192"],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
