@@ -165,6 +165,53 @@ def breakdown(name="B1 T8192 H64"):
     return rows
 
 
+DECODE = [(n, h, 32) for h in (32, 16) for n in (1, 16, 64, 256, 512)]
+
+
+def bench_decode(cases):
+    """One token for each of N sequences on a float32 pool: fastkda in place on the pool slots,
+    fla-core from and to per-sequence states (the same bytes: read and write every state)."""
+    import triton.testing as tt
+
+    impls = {}
+    import fastkda
+
+    impls["fastkda"] = fastkda.fused_recurrent_kda
+    try:
+        from fla.ops.kda import fused_recurrent_kda as fla_rec
+
+        impls["fla"] = fla_rec
+    except Exception as e:
+        print(f"fla-core not importable: {e}")
+    rows, K = [], 128
+    for N, H, HV in cases:
+        torch.manual_seed(0)
+        dt = torch.bfloat16
+        q, k = (torch.randn(N, 1, H, K, device="cuda", dtype=dt) for _ in range(2))
+        v = torch.randn(N, 1, HV, K, device="cuda", dtype=dt)
+        g = torch.randn(N, 1, HV, K, device="cuda", dtype=dt)
+        beta = torch.randn(N, 1, HV, device="cuda", dtype=dt)
+        kw = dict(A_log=torch.rand(HV, device="cuda"), dt_bias=torch.randn(HV * K, device="cuda"),
+                  use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+        pool = torch.randn(2 * N, HV, K, K, device="cuda")
+        slots = torch.randperm(2 * N, device="cuda")[:N]
+        h0 = pool[:N].clone()
+        row = {"N": N, "H": H, "HV": HV}
+        state_bytes = 2 * N * HV * K * K * 4  # read + write every state
+        for lib, fn in impls.items():
+            if lib == "fastkda":
+                call = lambda: fn(q, k, v, g, beta, initial_state=pool, ssm_state_indices=slots, inplace_final_state=True, **kw)  # noqa: E731
+            else:
+                call = lambda: fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)  # noqa: E731
+            with torch.inference_mode():
+                call()
+                ms = tt.do_bench(call, warmup=25, rep=200, return_mode="median")
+            row[lib] = {"ms": ms, "tbps": state_bytes / ms / 1e9}
+            print(f"decode N={N:4d} H={H} HV={HV} {lib:8s} {ms:.4f} ms  {state_bytes / ms / 1e9:.2f} TB/s", flush=True)
+        rows.append(row)
+    return rows
+
+
 def run(args):
     import triton
 
@@ -181,6 +228,8 @@ def run(args):
         res["suites"]["forward_stages"] = breakdown()
     if "forward" in args.suite:
         res["suites"]["forward"] = bench_forward(FORWARD, with_error=not args.no_error)
+    if "decode" in args.suite:
+        res["suites"]["decode"] = bench_decode(DECODE)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=1)
 
@@ -195,7 +244,7 @@ def render(path):
     head = (f"{res['env']}, fla-core {res.get('fla_version')}; copy bandwidth measured in the same run: "
             f"{bw:.2f} TB/s (read + write).")
     fwd = res["suites"].get("forward")
-    if fwd:
+    if fwd and any("fastkda" in r for r in fwd):
         md = [head, "",
               "bf16, K=V=128, gate activation (safe: lower_bound=-5), l2norm and beta sigmoid in the kernel; inference mode.",
               "Ratio = fla time / fastkda time (> 1: fastkda faster). Floor = q, k, v, g, beta read once and o written once "
@@ -213,6 +262,26 @@ def render(path):
         write_section("gpu-forward", "\n".join(md))
 
 
+def render_decode(res):
+    rows = res["suites"].get("decode")
+    if not rows:
+        return
+    bw = res["copy_tbps"]
+    md = [f"{res['env']}, fla-core {res.get('fla_version')}; copy bandwidth {bw:.2f} TB/s.", "",
+          "One token for each of N sequences, K=V=128, bf16 inputs, float32 states, gate, l2norm and beta "
+          "sigmoid in the kernel. fastkda updates a pool in place through `ssm_state_indices`; fla-core reads "
+          "and writes per-sequence states (the same bytes). TB/s counts the states read and written.", "",
+          "| N | H / HV | fastkda ms | fla ms | ratio | fastkda TB/s (% of copy) | fla TB/s |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        a, b = r["fastkda"], r.get("fla")
+        pct = 100 * a["tbps"] / bw
+        if b:
+            md.append(f"| {r['N']} | {r['H']} / {r['HV']} | {a['ms']:.4f} | {b['ms']:.4f} | {b['ms'] / a['ms']:.2f}x | {a['tbps']:.2f} ({pct:.0f}%) | {b['tbps']:.2f} |")
+        else:
+            md.append(f"| {r['N']} | {r['H']} / {r['HV']} | {a['ms']:.4f} | - | - | {a['tbps']:.2f} ({pct:.0f}%) | - |")
+    write_section("gpu-decode", "\n".join(md))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--suite", default="forward", help="comma list: forward")
@@ -222,6 +291,7 @@ def main():
     args = p.parse_args()
     if args.render:
         render(args.render)
+        render_decode(json.load(open(args.render)))
     else:
         run(args)
 

@@ -5,6 +5,7 @@ import torch
 from conftest import DEVICE
 from helpers import check
 
+from fastkda import platform
 from fastkda import fused_kda_gate, kda_gate_chunk_cumsum, naive_kda_gate, naive_kda_lowerbound_gate, use_backend
 from fastkda.backends import backends
 
@@ -49,8 +50,11 @@ def test_fused_kda_gate(backend, mode, lb, has_A, has_bias, dtype, rng):
     leaves = [t for t in (g, A, b) if t is not None]
     got = torch.autograd.grad((y * dy).sum(), leaves)
     want = torch.autograd.grad((ref * dy.double()).sum(), leaves)
+    # bf16 gradients are rounded once: within an ulp (2^-8 relative) of the reference, which the
+    # interpreter's truncating float32 -> bfloat16 conversion can double
+    bf16_tol = 4e-3 * (2 if backend == "triton" and platform.triton_interpret() else 1)
     for name, a, r in zip(("dg", "dA_log", "ddt_bias"), got, want):
-        check(name, a, r, 1e-5 if dtype == torch.float32 else 4e-3)
+        check(name, a, r, 1e-5 if dtype == torch.float32 else bf16_tol)
 
 
 @pytest.mark.parametrize("backend", CUMSUM_BACKENDS)

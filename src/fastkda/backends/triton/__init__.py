@@ -1,9 +1,10 @@
 """Triton backend for NVIDIA GPUs; CPU tensors run in the Triton interpreter
 (``TRITON_INTERPRET=1``) when this backend is forced, which is how the CPU test tier checks it.
 
-Status: the forward kernels pass the CPU tier and most of the GPU tier, but are not yet faster
-than fla-core and their GPU tier is not yet fully green, so the backend serves only calls that
-force it (``FASTKDA_BACKEND=triton`` or ``fastkda.use_backend("triton")``). See BENCHMARKS.md.
+Status: the kernels pass the CPU tier; the chunk forward passes most of the GPU tier but is not
+yet faster than fla-core, and the decode and gate kernels have not run on a GPU yet, so the backend
+serves only calls that force it (``FASTKDA_BACKEND=triton`` or ``fastkda.use_backend("triton")``).
+See BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from ...options import KDAInputs, KDAOptions
 from ..registry import Backend, forced_backend
 from .common import dot_config
 from .prepare import fwd_prepare
+from .recurrent import recurrent_forward
+from . import gate as gate_kernels
 from .scan import fwd_scan
 
 MAX_DIM = 256
@@ -36,7 +39,8 @@ def chunk_forward(opts: KDAOptions, x: KDAInputs):
 class TritonBackend(Backend):
     name = "triton"
     priority = 100
-    ops = ("chunk_kda",)
+    ops = ("chunk_kda", "fused_recurrent_kda", "kda_gate", "kda_gate_chunk_cumsum")
+    differentiable = ("kda_gate",)
 
     def _device_ok(self, t: torch.Tensor) -> tuple[bool, str]:
         if t.device.type == "cuda":
@@ -52,6 +56,11 @@ class TritonBackend(Backend):
         return False, f"tensors on {t.device.type} (needs an NVIDIA GPU, or TRITON_INTERPRET=1 with CPU tensors)"
 
     def verify(self, op, opts, inputs):
+        if op.startswith("kda_gate"):  # inputs: (g, A_log, dt_bias[, cu_seqlens])
+            ok, reason = self._device_ok(inputs[0])
+            if ok and inputs[0].dtype == torch.float64:
+                return False, "float64 inputs: the PyTorch backend serves them"
+            return ok, reason
         ok, reason = self._device_ok(inputs.q)
         if not ok:
             return ok, reason
@@ -60,12 +69,21 @@ class TritonBackend(Backend):
         s = opts.shape
         if s.K > MAX_DIM or s.V > MAX_DIM:
             return False, f"K={s.K}, V={s.V}: the Triton kernels take K, V <= {MAX_DIM}"
-        if op == "chunk_kda" and torch.is_grad_enabled() and any(
+        if torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
                                                         inputs.A_log, inputs.dt_bias, inputs.initial_state)
         ):
-            return False, "gradients are not implemented in the Triton backend yet"
+            return False, f"gradients of {op} are not implemented in the Triton backend yet"
         return True, reason
 
     def chunk_kda(self, opts, inputs):
         return chunk_forward(opts, inputs)
+
+    def fused_recurrent_kda(self, opts, inputs):
+        return recurrent_forward(opts, inputs)
+
+    def kda_gate(self, opts, inputs):
+        return gate_kernels.gate_forward(opts, *inputs)
+
+    def kda_gate_chunk_cumsum(self, opts, inputs):
+        return gate_kernels.gate_chunk_cumsum(opts, *inputs)

@@ -1,0 +1,153 @@
+"""Gate kernels: the activation with its backward (``fused_kda_gate``) and the activation fused
+with the within-chunk cumulative sum (``kda_gate_chunk_cumsum``, varlen aware)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...options import GateMode
+from ...testing import new_empty
+from .common import activate_gate, chunk_tables, pow2, softplus
+
+ROWS = 32  # rows (tokens) per program of the elementwise kernels
+
+
+@triton.jit
+def kda_gate_fwd_kernel(g, A_log, dt_bias, y, lower_bound, R, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                        BR: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y = gate(g) for rows i_r*BR.. of g [R, HV, K], head i_hv."""
+    i_r, i_hv = tl.program_id(0), tl.program_id(1)
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_k = tl.arange(0, BK)
+    m = (o_r < R)[:, None] & (o_k < K)[None, :]
+    p = o_r.to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    b_g = tl.load(g + p, mask=m, other=0.0).to(tl.float32)
+    b_y = activate_gate(b_g, A_log, dt_bias, i_hv, o_k, o_k < K, lower_bound, GATE, HAS_A, HAS_BIAS, K)
+    tl.store(y + p, b_y.to(y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def kda_gate_bwd_kernel(g, A_log, dt_bias, dy, dg, dA_part, dbias_part, lower_bound, R, HV: tl.constexpr,
+                        K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
+                        HAS_BIAS: tl.constexpr):
+    """dg, and per-program partial sums of dA_log [R/BR, HV] and ddt_bias [R/BR, HV, K]."""
+    i_r, i_hv = tl.program_id(0), tl.program_id(1)
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m = (o_r < R)[:, None] & m_k[None, :]
+    p = o_r.to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    b_x = tl.load(g + p, mask=m, other=0.0).to(tl.float32)
+    b_dy = tl.load(dy + p, mask=m, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b_x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+    if HAS_A:
+        b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    else:
+        b_a = 1.0
+    if GATE == 1:  # y = -a softplus(x): dy/dx = -a sigmoid(x), dy/dA_log = y
+        b_s = tl.sigmoid(b_x)
+        b_dx = -b_a * b_s * b_dy
+        b_y = -b_a * softplus(b_x)
+        b_dA = b_y * b_dy
+    else:  # y = lb sigmoid(a x): dy/dx = lb s (1 - s) a, dy/dA_log = lb s (1 - s) a x
+        b_s = tl.sigmoid(b_a * b_x)
+        b_t = lower_bound * b_s * (1.0 - b_s) * b_a * b_dy
+        b_dx = b_t
+        b_dA = b_t * b_x
+    b_dx = tl.where(m, b_dx, 0.0)
+    tl.store(dg + p, b_dx.to(dg.dtype.element_ty), mask=m)
+    if HAS_A:
+        tl.store(dA_part + i_r * HV + i_hv, tl.sum(tl.sum(tl.where(m, b_dA, 0.0), 1), 0))
+    if HAS_BIAS:
+        tl.store(dbias_part + (i_r * HV + i_hv) * K + o_k, tl.sum(b_dx, 0), mask=m_k)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_gate_cumsum_kernel(g, A_log, dt_bias, y, cu_seqlens, chunk_indices, lower_bound, scale, T,
+                           HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr,
+                           HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """y = scale * (within-chunk cumulative sum of gate(g)) for one chunk and head."""
+    i_c, i_hv = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        NT = tl.cdiv(T, C)
+        bos, i_t = (i_c // NT) * T, i_c % NT
+        T_seq = T
+    o_t = i_t * C + tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    m = (o_t < T_seq)[:, None] & (o_k < K)[None, :]
+    p = (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    b_g = tl.load(g + p, mask=m, other=0.0).to(tl.float32)
+    b_y = activate_gate(b_g, A_log, dt_bias, i_hv, o_k, o_k < K, lower_bound, GATE, HAS_A, HAS_BIAS, K)
+    b_y = tl.cumsum(tl.where(m, b_y, 0.0), 0) * scale
+    tl.store(y + p, b_y.to(y.dtype.element_ty), mask=m)
+
+
+def _code(opts) -> int:
+    return 1 if opts.gate is GateMode.SOFTPLUS else 2
+
+
+class _GateFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, A_log, dt_bias, opts):
+        HV, K = g.shape[-2:]
+        g2 = g.contiguous().view(-1, HV, K)
+        R = g2.shape[0]
+        y = new_empty(*g.shape, dtype=opts.output_dtype, device=g.device)
+        lb = opts.lower_bound if opts.lower_bound is not None else 0.0
+        if R:
+            kda_gate_fwd_kernel[(triton.cdiv(R, ROWS), HV)](
+                g2, A_log, dt_bias, y, lb, R, HV=HV, K=K, BK=pow2(K, 1), BR=ROWS, GATE=_code(opts),
+                HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
+            )
+        ctx.save_for_backward(g2, A_log, dt_bias)
+        ctx.opts, ctx.shape, ctx.dtype = opts, g.shape, g.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        g2, A_log, dt_bias = ctx.saved_tensors
+        opts = ctx.opts
+        R, HV, K = g2.shape
+        nr = triton.cdiv(R, ROWS)
+        dg = new_empty(R, HV, K, dtype=ctx.dtype, device=g2.device)
+        dA_part = new_empty(nr, HV, dtype=torch.float32, device=g2.device) if A_log is not None else None
+        db_part = new_empty(nr, HV, K, dtype=torch.float32, device=g2.device) if dt_bias is not None else None
+        if R:
+            kda_gate_bwd_kernel[(nr, HV)](
+                g2, A_log, dt_bias, dy.contiguous().view(R, HV, K), dg, dA_part, db_part,
+                opts.lower_bound if opts.lower_bound is not None else 0.0, R, HV=HV, K=K, BK=pow2(K, 1), BR=ROWS,
+                GATE=_code(opts), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
+            )
+        dA = dA_part.sum(0).view_as(A_log).to(A_log.dtype) if A_log is not None else None
+        db = db_part.sum(0).view_as(dt_bias).to(dt_bias.dtype) if dt_bias is not None else None
+        return dg.view(ctx.shape), dA, db, None
+
+
+def gate_forward(opts, g, A_log, dt_bias):
+    return _GateFunction.apply(g, A_log, dt_bias, opts)
+
+
+def gate_chunk_cumsum(opts, g, A_log, dt_bias, cu_seqlens):
+    B, T, HV, K = g.shape
+    C = opts.chunk_size
+    g = g.contiguous()
+    y = new_empty(B, T, HV, K, dtype=opts.output_dtype, device=g.device)
+    if cu_seqlens is not None:
+        chunk_indices, _, NT_total = chunk_tables(cu_seqlens.detach().cpu(), C, g.device)
+    else:
+        chunk_indices, NT_total = None, B * triton.cdiv(T, C)
+    if NT_total:
+        kda_gate_cumsum_kernel[(NT_total, HV)](
+            g, A_log, dt_bias, y, cu_seqlens, chunk_indices, opts.lower_bound if opts.lower_bound is not None else 0.0,
+            opts.scale if opts.scale is not None else 1.0, T, HV=HV, K=K, BK=pow2(K, 1), C=C, GATE=_code(opts),
+            HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, IS_VARLEN=cu_seqlens is not None,
+        )
+    return y

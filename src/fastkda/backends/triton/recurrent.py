@@ -1,0 +1,197 @@
+"""Decoding: token-by-token KDA on state pools, without host synchronisation.
+
+Two launches. ``kda_check_indices_kernel`` validates every pool index (slots in [-1, num_slots),
+accepted-token counts in [1, 1 + num_draft], tokens per sequence <= 1 + num_draft) and writes an
+error code; ``kda_recurrent_kernel`` reads that code first and, if it is set, returns at once, so a
+call with one bad index changes nothing at all. The wrapper raises on the code when the stream is
+not being captured into a CUDA graph; during capture the engine reads ``last_error_code()``.
+
+One program per (value block of BV columns, sequence, value head); the float32 state tile
+[BK, BV] lives in registers for all tokens of the sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...testing import new_empty
+from .common import activate_gate, gate_code, pow2
+
+REC_BV = 32
+REC_WARPS = 4
+
+# error codes: 0 ok; otherwise kind + 4 * (sequence index)
+ERR_SLOT, ERR_ACCEPTED, ERR_TOKENS = 1, 2, 3
+
+
+@triton.jit
+def kda_check_indices_kernel(idx, acc, cu_seqlens, err, N, T, num_slots, stride_idx,
+                             COLS: tl.constexpr, BC: tl.constexpr, SPEC: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """err[0] <- 0, or the first error: kind + 4 * sequence."""
+    code = tl.zeros([1], tl.int32)
+    o_c = tl.arange(0, BC)
+    for n in range(0, N):
+        if IS_VARLEN:
+            L = tl.load(cu_seqlens + n + 1) - tl.load(cu_seqlens + n)
+        else:
+            L = T
+        b_idx = tl.load(idx + n * stride_idx + o_c, mask=o_c < COLS, other=0).to(tl.int64)
+        bad_slot = tl.sum(((b_idx < -1) | (b_idx >= num_slots)).to(tl.int32), 0) > 0
+        this = tl.where(bad_slot, ERR_SLOT, 0)
+        if SPEC:
+            a = tl.load(acc + n).to(tl.int64)
+            this = tl.where((a < 1) | (a > COLS), ERR_ACCEPTED, this)
+            this = tl.where(L > COLS, ERR_TOKENS, this)
+        code = tl.where((code == 0) & (this != 0), this + 4 * n, code)
+    tl.store(err + tl.arange(0, 1), code)
+
+
+@triton.jit(do_not_specialize=["T", "num_slots"])
+def kda_recurrent_kernel(
+    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, err,
+    scale, lower_bound, T, num_slots, stride_idx,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, SIGMOID: tl.constexpr,
+    BETA_SCALE: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, POOL: tl.constexpr, SPEC: tl.constexpr,
+    INPLACE: tl.constexpr, V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if POOL:
+        if tl.load(err) != 0:  # a bad index anywhere: this call changes nothing
+            return
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_n * T
+        T_seq = T
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_h = m_k[:, None] & m_v[None, :]
+    if V_FIRST:  # [V, K] layout in memory, [BK, BV] tile in registers
+        o_h = o_v[None, :] * K + o_k[:, None]
+    else:
+        o_h = o_k[:, None] * V + o_v[None, :]
+
+    slot0 = i_n
+    if POOL:
+        if SPEC:
+            slot0 = tl.load(idx + i_n * stride_idx + tl.load(acc + i_n).to(tl.int64) - 1).to(tl.int64)
+        else:
+            slot0 = tl.load(idx + i_n * stride_idx).to(tl.int64)
+    live = slot0 >= 0  # -1: a padding sequence
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        if live:
+            b_S += tl.load(h0 + (slot0 * HV + i_hv) * K * V + o_h, mask=m_h, other=0.0).to(tl.float32)
+
+    p_o = o + (bos * HV + i_hv) * V + o_v
+    for t in range(0, T_seq):
+        r = bos + t
+        b_q = tl.load(q + (r * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + (r * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + (r * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g + (r * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_b = tl.load(beta + r * HV + i_hv).to(tl.float32)
+        if L2NORM:
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+        if SIGMOID:
+            b_b = tl.sigmoid(b_b) * BETA_SCALE
+        b_g = activate_gate(b_g[None, :], A_log, dt_bias, i_hv, o_k, m_k, lower_bound, GATE, HAS_A, HAS_BIAS, K)
+        b_g = tl.sum(b_g, 0)  # back to [BK]
+        b_S = b_S * tl.exp(tl.where(m_k, b_g, 0.0))[:, None]
+        b_u = b_b * (b_v - tl.sum(b_S * b_k[:, None], 0))  # the delta: beta (v - S^T k)
+        b_S += b_k[:, None] * b_u[None, :]
+        b_o = tl.sum(b_S * (b_q * scale)[:, None], 0)
+        tl.store(p_o + t * HV * V, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
+        if SPEC:
+            if INPLACE:
+                slot_t = tl.load(idx + i_n * stride_idx + t).to(tl.int64)
+                if live & (slot_t >= 0):
+                    tl.store(h0 + (slot_t * HV + i_hv) * K * V + o_h, b_S.to(h0.dtype.element_ty), mask=m_h)
+
+    if INPLACE and not SPEC:
+        if live:
+            tl.store(h0 + (slot0 * HV + i_hv) * K * V + o_h, b_S.to(h0.dtype.element_ty), mask=m_h)
+    if STORE_HT:
+        tl.store(ht + i_nh * K * V + o_h, tl.where(live, b_S, 0.0), mask=m_h)
+
+
+_ERR_BUFFERS: dict = {}
+
+
+def error_buffer(device) -> torch.Tensor:
+    """The per-device int32 error code of the last decode call (static, so graphs can capture it)."""
+    key = str(device)
+    if key not in _ERR_BUFFERS:
+        _ERR_BUFFERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _ERR_BUFFERS[key]
+
+
+def describe_error(code: int, num_slots: int, cols: int) -> str:
+    kind, n = code % 4, code // 4
+    if kind == ERR_SLOT:
+        return f"`ssm_state_indices` of sequence {n} holds a slot outside [0, {num_slots}) other than -1 (padding)"
+    if kind == ERR_ACCEPTED:
+        return f"`num_accepted_tokens[{n}]` must be in [1, {cols}]"
+    return f"sequence {n} has more tokens than the {cols} slots per sequence of `ssm_state_indices`"
+
+
+def recurrent_forward(opts, x):
+    s = opts.shape
+    B, T, H, HV, K, V, N = s.B, s.T, s.H, s.HV, s.K, s.V, s.N
+    q, k, v, g, beta = (t if t.is_contiguous() else t.contiguous() for t in (x.q, x.k, x.v, x.g, x.beta))
+    dev = q.device
+    h0 = x.initial_state
+    if h0 is not None and not h0.is_contiguous():
+        if opts.inplace_final_state:
+            raise ValueError("`initial_state` must be contiguous when it is written in place")
+        h0 = h0.contiguous()
+    o = new_empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    ht = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev) if (
+        opts.output_final_state and not opts.inplace_final_state) else None
+    idx, acc = x.ssm_state_indices, x.num_accepted_tokens
+    err = error_buffer(dev)
+    cols = idx.shape[1] if (idx is not None and idx.ndim == 2) else 1
+    num_slots = h0.shape[0] if h0 is not None else 0
+    if opts.pool:
+        kda_check_indices_kernel[(1,)](
+            idx, acc, x.cu_seqlens, err, N, T, num_slots, idx.stride(0), COLS=cols, BC=pow2(cols, 1),
+            SPEC=opts.spec_decode, IS_VARLEN=x.cu_seqlens is not None,
+        )
+    BK, BV = pow2(K), min(pow2(V), REC_BV)
+    if N * HV > 0:
+        kda_recurrent_kernel[(triton.cdiv(V, BV), N * HV)](
+            q, k, v, g, beta, x.A_log, x.dt_bias, o, h0, ht, x.cu_seqlens, idx, acc, err,
+            opts.scale, opts.lower_bound if opts.lower_bound is not None else 0.0, T, num_slots,
+            idx.stride(0) if idx is not None else 0,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, GATE=gate_code(opts.gate), HAS_A=x.A_log is not None,
+            HAS_BIAS=x.dt_bias is not None, L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid,
+            BETA_SCALE=opts.beta_scale, USE_H0=h0 is not None, STORE_HT=ht is not None, POOL=opts.pool,
+            SPEC=opts.spec_decode, INPLACE=opts.inplace_final_state, V_FIRST=opts.state_v_first,
+            IS_VARLEN=x.cu_seqlens is not None, num_warps=REC_WARPS,
+        )
+    if opts.pool and not _capturing(dev):
+        code = int(err.item())
+        if code:
+            raise ValueError(describe_error(code, num_slots, cols) + "; nothing was written")
+    if opts.inplace_final_state:
+        if h0 is not x.initial_state:  # written into a contiguous copy: nothing to hand back
+            x.initial_state.copy_(h0)
+        return o, x.initial_state
+    return o, ht
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def last_error_code(device) -> int:
+    """The error code of the last pool decode call on ``device`` (0: none); reading it synchronises."""
+    return int(error_buffer(device).item())
