@@ -1,5 +1,5 @@
 """``torch.library`` custom ops, so that ``torch.compile(fullgraph=True)`` sees the operators as
-opaque nodes with known output shapes.
+opaque nodes with known output shapes. Each op's implementation is the eager public function.
 
 ``fastkda::chunk_kda`` and its backward ``fastkda::chunk_kda_backward`` (which recomputes the
 forward with autograd through the backend's differentiable implementation), and
@@ -14,8 +14,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .backends import registry
-from .options import chunk_options, recurrent_options
 
 _GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
@@ -23,16 +21,15 @@ _GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 def _chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
            use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
            dt_bias, chunk_size):
-    opts, inputs = chunk_options(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate,
-        lower_bound=lower_bound, disable_recompute=False, return_intermediate_states=False,
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, cp_context=None, A_log=A_log,
-        dt_bias=dt_bias, chunk_size=chunk_size,
-    )
-    o, final, _ = registry.dispatch("chunk_kda", opts, inputs)
-    return o, final
+    """The eager operator (inside a custom op nothing is being compiled)."""
+    from .api import chunk_kda
+
+    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                     allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+                     state_v_first=state_v_first, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
+                     chunk_size=chunk_size)
 
 
 @torch.library.custom_op("fastkda::chunk_kda", mutates_args=())
@@ -141,7 +138,9 @@ def fused_recurrent_kda_op(
     state_v_first: bool, cu_seqlens: Optional[Tensor], ssm_state_indices: Optional[Tensor],
     num_accepted_tokens: Optional[Tensor], inplace_final_state: bool,
 ) -> tuple[Tensor, Tensor]:
-    opts, inputs = recurrent_options(
+    from .api import fused_recurrent_kda
+
+    o, final = fused_recurrent_kda(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -149,7 +148,6 @@ def fused_recurrent_kda_op(
         cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
         inplace_final_state=inplace_final_state,
     )
-    o, final = registry.dispatch("fused_recurrent_kda", opts, inputs)
     if inplace_final_state or final is None:  # the pool itself is the caller's tensor: no aliasing output
         final = q.new_empty(0, dtype=torch.float32)
     return o.contiguous(), final.contiguous()

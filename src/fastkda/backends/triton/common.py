@@ -51,6 +51,22 @@ def activate_gate(b_g, A_log, dt_bias, i_hv, o_k, m_k, lower_bound, GATE: tl.con
 
 
 @triton.jit
+def chunk_location(i_c, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(sequence, chunk within it, first token of the sequence, its length) of global chunk i_c."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        NT = tl.cdiv(T, C)
+        i_n, i_t = i_c // NT, i_c % NT
+        bos = i_n * T
+        T_seq = T
+    return i_n, i_t, bos, T_seq
+
+
+@triton.jit
 def mma(x, DT: tl.constexpr, EMU: tl.constexpr):
     """x as a matrix-product operand of dtype DT. The interpreter's bfloat16 products are wrong
     (they multiply raw bits), so with EMU the rounding to DT is kept and the product is float32."""

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from ...options import GateMode
 from ...testing import new_empty
-from .common import activate_gate, chunk_tables, pow2, softplus
+from .common import activate_gate, chunk_location, chunk_tables, pow2, softplus
 
 ROWS = 32  # rows (tokens) per program of the elementwise kernels
 
@@ -71,15 +71,7 @@ def kda_gate_cumsum_kernel(g, A_log, dt_bias, y, cu_seqlens, chunk_indices, lowe
                            HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr):
     """y = scale * (within-chunk cumulative sum of gate(g)) for one chunk and head."""
     i_c, i_hv = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        NT = tl.cdiv(T, C)
-        bos, i_t = (i_c // NT) * T, i_c % NT
-        T_seq = T
+    _, i_t, bos, T_seq = chunk_location(i_c, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
     o_t = i_t * C + tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m = (o_t < T_seq)[:, None] & (o_k < K)[None, :]

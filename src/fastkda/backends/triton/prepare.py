@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import activate_gate, chunk_tables, gate_code, pow2, row_of
+from .common import activate_gate, chunk_location, chunk_tables, gate_code, pow2, row_of
 
 PREPARE_WARPS = 2  # for K, V <= 128; 4 beyond
 SLICE = 32  # feature columns per tile
@@ -256,16 +256,7 @@ def kda_fwd_prepare_kernel(
 ):
     i_c, i_hv = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        NT = tl.cdiv(T, C)
-        i_n, i_t = i_c // NT, i_c % NT
-        bos = i_n * T
-        T_seq = T
+    i_n, i_t, bos, T_seq = chunk_location(i_c, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
     t0 = i_t * C  # first token of the chunk, within its sequence
     o_i = tl.arange(0, 16)
     NC: tl.constexpr = C // 16
