@@ -36,7 +36,8 @@ def _poison_outputs():
 
 @pytest.fixture
 def rng():
-    """A freshly seeded generator; the seed is printed so a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A freshly seeded generator; the seed is printed so that ``FASTKDA_TEST_SEED=<seed>`` replays a
+    failure."""
+    seed = int(os.environ.get("FASTKDA_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)

@@ -55,7 +55,9 @@ def naive_kda_lowerbound_gate(
         x = x + dt_bias.to(cdt).view(H, -1)
     if A_log is not None:
         x = A_log.to(cdt).view(H, 1).exp() * x
-    return (lower_bound * torch.sigmoid(x)).to(output_dtype)
+    # exp(logsigmoid(x)) equals sigmoid(x), but its gradient is formed as y * sigmoid(-x): the autograd
+    # of sigmoid forms y * (1 - y), which is 0 in float32 once y rounds to 1 (x > ~16.6)
+    return (lower_bound * torch.exp(torch.nn.functional.logsigmoid(x))).to(output_dtype)
 
 
 def activate(

@@ -51,6 +51,24 @@ def activate_gate(b_g, A_log, dt_bias, i_hv, o_k, m_k, lower_bound, GATE: tl.con
 
 
 @triton.jit
+def gate_backward(b_x, b_dy, A_log, i_hv, lower_bound, GATE: tl.constexpr, HAS_A: tl.constexpr):
+    """(dL/dx, the summand of dL/dA_log) of y = gate(x) for raw inputs x (``dt_bias`` added) and
+    dL/dy = b_dy, float32 (docs/math.md section 4)."""
+    if HAS_A:
+        b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    else:
+        b_a = 1.0
+    if GATE == 1:  # y = -a softplus(x): dy/dx = -a sigmoid(x), dy/dA_log = y
+        b_dx = -b_a * tl.sigmoid(b_x) * b_dy
+        return b_dx, -b_a * softplus(b_x) * b_dy
+    # y = lb sigmoid(a x): dy/dx = lb s (1 - s) a, dy/dA_log = lb s (1 - s) a x; 1 - s is taken as
+    # sigmoid(-a x): the difference cancels catastrophically once s is near 1
+    b_z = b_a * b_x
+    b_dx = lower_bound * tl.sigmoid(b_z) * tl.sigmoid(-b_z) * b_a * b_dy
+    return b_dx, b_dx * b_x
+
+
+@triton.jit
 def chunk_location(i_c, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
     """(sequence, chunk within it, first token of the sequence, its length) of global chunk i_c."""
     if IS_VARLEN:

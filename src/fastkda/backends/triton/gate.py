@@ -9,7 +9,7 @@ import triton.language as tl
 
 from ...options import GateMode
 from ...testing import new_empty
-from .common import activate_gate, chunk_location, chunk_tables, pow2, softplus
+from .common import activate_gate, chunk_location, chunk_tables, gate_backward, pow2
 
 ROWS = 32  # rows (tokens) per program of the elementwise kernels
 
@@ -43,20 +43,7 @@ def kda_gate_bwd_kernel(g, A_log, dt_bias, dy, dg, dA_part, dbias_part, lower_bo
     b_dy = tl.load(dy + p, mask=m, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b_x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-    if HAS_A:
-        b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    else:
-        b_a = 1.0
-    if GATE == 1:  # y = -a softplus(x): dy/dx = -a sigmoid(x), dy/dA_log = y
-        b_s = tl.sigmoid(b_x)
-        b_dx = -b_a * b_s * b_dy
-        b_y = -b_a * softplus(b_x)
-        b_dA = b_y * b_dy
-    else:  # y = lb sigmoid(a x): dy/dx = lb s (1 - s) a, dy/dA_log = lb s (1 - s) a x
-        b_s = tl.sigmoid(b_a * b_x)
-        b_t = lower_bound * b_s * (1.0 - b_s) * b_a * b_dy
-        b_dx = b_t
-        b_dA = b_t * b_x
+    b_dx, b_dA = gate_backward(b_x, b_dy, A_log, i_hv, lower_bound, GATE, HAS_A)
     b_dx = tl.where(m, b_dx, 0.0)
     tl.store(dg + p, b_dx.to(dg.dtype.element_ty), mask=m)
     if HAS_A:
