@@ -37,6 +37,8 @@ FORWARD = [
 
 
 def make(B, T, H, seqlens, gate, K=128, V=128, dtype=torch.bfloat16, device="cuda", grad=False):
+    """Inputs (bf16 q, k, v, g, beta) and keyword options of one benchmark case; with ``grad`` every
+    input and the gate parameters require gradients."""
     if seqlens is not None:
         T = sum(seqlens)
     torch.manual_seed(0)
@@ -55,7 +57,7 @@ def make(B, T, H, seqlens, gate, K=128, V=128, dtype=torch.bfloat16, device="cud
         kw["cu_seqlens"] = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], device=device, dtype=torch.int32)
     x = dict(q=q, k=k, v=v, g=g, beta=beta)
     if grad:
-        for t in x.values():
+        for t in (*x.values(), kw["A_log"], kw["dt_bias"]):
             t.requires_grad_(True)
     return x, kw
 
@@ -150,7 +152,7 @@ def breakdown(name="B1 T8192 H64"):
             rows.append({"stage": "prepare", "warps": warps, "ms": ms})
             print(f"{name}: prepare warps={warps}: {ms:.3f} ms", flush=True)
         prepare.PREPARE_WARPS = 2
-        sargs = (opts, *out[:6], None, None, out[6], out[7], inp.v.dtype, *common.dot_config(inp.q.dtype))
+        sargs = (opts, out, None, None, inp.v.dtype, *common.dot_config(inp.q.dtype))
         for bv, warps, stages in ((64, 8, 2), (64, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 3), (128, 8, 2)):
             scan.SCAN_BV, scan.SCAN_WARPS, scan.SCAN_STAGES = bv, warps, stages
             try:
@@ -162,6 +164,52 @@ def breakdown(name="B1 T8192 H64"):
             rows.append({"stage": "scan", "BV": bv, "warps": warps, "stages": stages, "ms": ms})
             print(f"{name}: scan BV={bv} warps={warps} stages={stages}: {ms:.3f} ms", flush=True)
         scan.SCAN_BV, scan.SCAN_WARPS, scan.SCAN_STAGES = 64, 4, 2
+    return rows
+
+
+BACKWARD = [
+    # name, B, T, H, K (= V), gate
+    *[(f"B1 T8192 H{h} {gate}", 1, 8192, h, 128, gate) for h in (64, 96) for gate in ("safe", "softplus")],
+    *[(f"B4 T4096 H32 {gate}", 4, 4096, 32, 128, gate) for gate in ("safe", "softplus")],
+    *[(f"B8 T2048 H16 K64 {gate}", 8, 2048, 16, 64, gate) for gate in ("safe", "softplus")],
+]
+
+
+def bench_backward(cases):
+    """One training step of the operator: forward + backward, and backward alone (the graph of one
+    forward replayed), gradients of q, k, v, g, beta, A_log, dt_bias; peak memory above the inputs."""
+    import triton.testing as tt
+
+    rows = []
+    impls = _impls()
+    for name, B, T, H, K, gate in cases:
+        x, kw = make(B, T, H, None, gate, K=K, V=K, grad=True)
+        leaves = [*x.values(), kw["A_log"], kw["dt_bias"]]
+        do = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+        row = {"case": name, "gate": gate, "B": B, "T": T, "H": H, "K": K}
+        for lib, fn in impls.items():
+            def step():
+                o, _ = fn(**x, **kw)
+                return torch.autograd.grad(o, leaves, do)
+
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            ms_fb = tt.do_bench(step, warmup=10, rep=100, return_mode="median")
+            o, _ = fn(**x, **kw)
+            ms_b = tt.do_bench(lambda: torch.autograd.grad(o, leaves, do, retain_graph=True), warmup=10, rep=100,
+                               return_mode="median")
+            del o
+            row[lib] = {"ms_fwd_bwd": ms_fb, "ms_bwd": ms_b, "first_s": first, "peak_gib": peak}
+            print(f"{name:28s} {lib:8s} fwd+bwd {ms_fb:8.3f} ms  bwd {ms_b:8.3f} ms  first {first:6.1f} s  "
+                  f"peak +{peak:5.2f} GiB", flush=True)
+        rows.append(row)
     return rows
 
 
@@ -215,6 +263,9 @@ def bench_decode(cases):
 def run(args):
     import triton
 
+    # the Triton backend serves CUDA tensors only when forced while it is experimental
+    os.environ.setdefault("FASTKDA_BACKEND", "triton")
+
     res = {"env": environment("cuda"), "copy_tbps": copy_bandwidth(), "suites": {}}
     try:
         import fla
@@ -228,6 +279,8 @@ def run(args):
         res["suites"]["forward_stages"] = breakdown()
     if "forward" in args.suite:
         res["suites"]["forward"] = bench_forward(FORWARD, with_error=not args.no_error)
+    if "backward" in args.suite:
+        res["suites"]["backward"] = bench_backward(BACKWARD)
     if "decode" in args.suite:
         res["suites"]["decode"] = bench_decode(DECODE)
     with open(args.json, "w") as f:
@@ -262,6 +315,28 @@ def render(path):
         write_section("gpu-forward", "\n".join(md))
 
 
+def render_backward(res):
+    rows = res["suites"].get("backward")
+    if not rows:
+        return
+    md = [f"{res['env']}, fla-core {res.get('fla_version')}.", "",
+          "One training step of the operator: bf16 inputs, gate (safe: lower_bound=-5; softplus), l2norm and beta "
+          "sigmoid in the kernel, gradients of q, k, v, g, beta, A_log, dt_bias. Backward alone replays the graph "
+          "of one forward. Ratio = fla time / fastkda time. Peak = memory above the inputs during one step.", "",
+          "| case | fwd+bwd fastkda / fla ms | ratio | bwd fastkda / fla ms | ratio | peak +GiB fastkda / fla | first call fastkda / fla (s) |",
+          "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        a, b = r["fastkda"], r.get("fla")
+        if b:
+            md.append(f"| {r['case']} | {a['ms_fwd_bwd']:.2f} / {b['ms_fwd_bwd']:.2f} | {b['ms_fwd_bwd'] / a['ms_fwd_bwd']:.2f}x "
+                      f"| {a['ms_bwd']:.2f} / {b['ms_bwd']:.2f} | {b['ms_bwd'] / a['ms_bwd']:.2f}x "
+                      f"| {a['peak_gib']:.2f} / {b['peak_gib']:.2f} | {a['first_s']:.1f} / {b['first_s']:.1f} |")
+        else:
+            md.append(f"| {r['case']} | {a['ms_fwd_bwd']:.2f} / - | - | {a['ms_bwd']:.2f} / - | - | {a['peak_gib']:.2f} / - "
+                      f"| {a['first_s']:.1f} / - |")
+    write_section("gpu-backward", "\n".join(md))
+
+
 def render_decode(res):
     rows = res["suites"].get("decode")
     if not rows:
@@ -284,13 +359,14 @@ def render_decode(res):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--suite", default="forward", help="comma list: forward")
+    p.add_argument("--suite", default="forward", help="comma list of: stages, forward, backward, decode")
     p.add_argument("--json", default="bench.json")
     p.add_argument("--render", default=None, help="write BENCHMARKS.md from a JSON result")
     p.add_argument("--no-error", action="store_true")
     args = p.parse_args()
     if args.render:
         render(args.render)
+        render_backward(json.load(open(args.render)))
         render_decode(json.load(open(args.render)))
     else:
         run(args)

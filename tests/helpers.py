@@ -3,8 +3,32 @@
 import math
 
 import torch
+from hypothesis import strategies as st
 
-from fastkda.testing import AXES, grow, rel_rms, tolerance  # noqa: F401
+from fastkda.testing import AXES, GATES, Case, grow, rel_rms, tolerance  # noqa: F401
+
+# the option space of SPEC section 6 as hypothesis strategies (feature sizes chosen per test)
+OPTION_SPACE = dict(
+    gate=st.sampled_from(GATES),
+    varlen=st.booleans(),
+    gva=st.booleans(),
+    beta_mode=st.sampled_from(["plain", "sigmoid", "neg"]),
+    l2=st.booleans(),
+    vfirst=st.booleans(),
+    chunk=st.sampled_from([32, 64]),
+    state=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+
+
+def random_case(rng, max_len, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims) -> Case:
+    """A Case at one point of OPTION_SPACE, with random lengths below max_len."""
+    lens = tuple(int(t) for t in torch.randint(0, max_len, (3,), generator=rng)) if varlen else None
+    return Case(
+        T=int(torch.randint(1, max_len, (1,), generator=rng)), seqlens=lens, gate=gate, H=1, HV=2 if gva else 1,
+        K=dims[0], V=dims[1], beta_sigmoid=beta_mode != "plain", allow_neg_eigval=beta_mode == "neg", l2norm=l2,
+        state_v_first=vfirst, chunk_size=chunk, initial_state=state, final_state=True,
+    )
 
 
 def check(name: str, actual, ref, tol: float):
@@ -12,6 +36,48 @@ def check(name: str, actual, ref, tol: float):
     err = rel_rms(actual, ref)
     assert err <= tol, f"{name}: relative RMS error {err:.3g} > {tol:.3g}"
     return err
+
+
+def gate_param_scales(x: dict, dg_raw):
+    """Sum of |contribution| of every token and channel to dA_log [HV] and ddt_bias [HV*K], from the
+    float64 gradient of the raw gate input. These gradients are sums over all tokens whose terms
+    largely cancel, so their honest error measure is relative to the sum of the magnitudes of the
+    terms (each term carries its own rounding), not to the (small) result."""
+    if not x.get("use_gate_in_kernel") or dg_raw is None:
+        return {}
+    g = x["g"].detach().double()
+    HV, K = g.shape[-2:]
+    xg = g + (x["dt_bias"].detach().double().view(HV, K) if x.get("dt_bias") is not None else 0)
+    dx = dg_raw.detach().double()
+    red = tuple(range(dx.dim() - 2))
+    out = {"dt_bias": dx.abs().sum(red).reshape(-1)}
+    if x.get("lower_bound") is not None:  # dA_log = sum dx * x
+        out["A_log"] = (dx * xg).abs().sum(red).sum(-1)
+    else:  # softplus: dA_log = sum dg * y = sum dx * softplus(x) / sigmoid(x)
+        ratio = torch.nn.functional.softplus(xg) / torch.sigmoid(xg)
+        out["A_log"] = (dx * ratio).abs().sum(red).sum(-1)
+    return out
+
+
+def param_error(got, ref, scale) -> float:
+    """Norm of the error of a gate-parameter gradient over the norm of its term magnitudes."""
+    return ((got.double() - ref.double()).norm() / scale.norm().clamp_min(1e-300)).item()
+
+
+def check_grads(got: dict, want: dict, x: dict, tol: float):
+    """Every gradient against the reference: relative RMS, and for dA_log / ddt_bias the error
+    relative to the magnitude of their terms (gate_param_scales, param_error)."""
+    scales = gate_param_scales(x, want.get("g"))
+    for name, ref in want.items():
+        if ref is None:  # the input plays no part (e.g. lower_bound only)
+            assert got[name] is None or not got[name].any(), name
+            continue
+        assert got[name] is not None, f"d{name} missing"
+        if name in scales:
+            err = param_error(got[name], ref, scales[name])
+            assert err <= tol, f"d{name}: error {err:.3g} of the summed term magnitudes > {tol:.3g}"
+        else:
+            check(f"d{name}", got[name], ref, tol)
 
 
 def tol_for(dtype: torch.dtype, backend: str = "torch") -> float:
@@ -22,4 +88,4 @@ def finite(t):
     return t is not None and bool(torch.isfinite(t).all())
 
 
-__all__ = ["check", "tol_for", "finite", "math"]
+__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "tol_for", "finite", "math"]

@@ -3,7 +3,9 @@
 import pytest
 import torch
 from conftest import BACKWARD_BACKENDS, DEVICE, GPU
-from helpers import AXES, check, grow, tol_for
+from helpers import AXES, OPTION_SPACE, check, check_grads, grow, random_case, tol_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fastkda import chunk_kda, use_backend
 from fastkda.testing import Case, make_inputs, reference
@@ -16,7 +18,8 @@ BWD_AXES["varlen"] = Case(seqlens=(1, 40, 0, 33, 65))
 BWD_AXES["deep_decay"] = AXES["deep_decay"].replace(T=200)
 
 
-def grads(backend, case, rng, disable_recompute=False):
+def backend_grads(backend, case, rng, disable_recompute=False):
+    """(inputs, gradients of every input, do, dht) of one backend's backward with random do, dht."""
     x = make_inputs(case, device=DEVICE, requires_grad=True, generator=rng)
     leaves = {n: x[n] for n in GRAD_INPUTS if isinstance(x.get(n), torch.Tensor)}
     with use_backend(backend):
@@ -25,32 +28,33 @@ def grads(backend, case, rng, disable_recompute=False):
     ds = torch.randn(s.shape, generator=rng).to(s) if s is not None else None
     loss = (o.float() * do.float()).sum() + ((s * ds).sum() if s is not None else 0)
     got = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)))
+    return x, got, do, ds
+
+
+def grads(backend, case, rng, disable_recompute=False):
+    """(backend gradients, float64 reference gradients)."""
+    x, got, do, ds = backend_grads(backend, case, rng, disable_recompute)
+    leaves = {n: x[n] for n in got}
     o_r, s_r = reference(x)
-    loss_r = (o_r * do.double()).sum() + ((s_r * ds.double()).sum() if s is not None else 0)
+    loss_r = (o_r * do.double()).sum() + ((s_r * ds.double()).sum() if ds is not None else 0)
     want = dict(zip(leaves, torch.autograd.grad(loss_r, list(leaves.values()), allow_unused=True)))
-    return got, want
+    return x, got, want
 
 
 @pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
 @pytest.mark.parametrize("axis", list(BWD_AXES))
 def test_backward_axis(backend, axis, rng):
     case = grow(BWD_AXES[axis], GPU)
-    got, want = grads(backend, case, rng)
-    tol = tol_for(case.dtype, backend)
-    for name, ref in want.items():
-        if ref is None:  # the input plays no part (e.g. lower_bound only)
-            assert got[name] is None or not got[name].any(), name
-            continue
-        assert got[name] is not None, f"d{name} missing"
-        check(f"d{name}", got[name], ref, tol)
+    x, got, want = grads(backend, case, rng)
+    check_grads(got, want, x, tol_for(case.dtype, backend))
 
 
 @pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
 def test_disable_recompute_same_gradients(backend, rng):
     case = grow(Case(T=90, gate="safe", l2norm=True, beta_sigmoid=True), GPU)
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
-    g1, _ = grads(backend, case, torch.Generator().manual_seed(seed))
-    g2, _ = grads(backend, case, torch.Generator().manual_seed(seed), disable_recompute=True)
+    _, g1, _, _ = backend_grads(backend, case, torch.Generator().manual_seed(seed))
+    _, g2, _, _ = backend_grads(backend, case, torch.Generator().manual_seed(seed), disable_recompute=True)
     for name in g1:
         check(f"d{name}", g2[name], g1[name], 1e-6)
 
@@ -69,3 +73,44 @@ def test_gradcheck_float64():
         return o, s
 
     assert torch.autograd.gradcheck(f, [x[n] for n in names], eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
+def test_backward_deterministic(backend, rng):
+    """Two runs of the same backward give bit-identical gradients (no atomics whose order varies)."""
+    case = grow(Case(seqlens=(70, 1, 33), H=1, HV=2, gate="softplus", l2norm=True, beta_sigmoid=True), GPU)
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    _, g1, _, _ = backend_grads(backend, case, torch.Generator().manual_seed(seed))
+    _, g2, _, _ = backend_grads(backend, case, torch.Generator().manual_seed(seed))
+    for name in g1:
+        assert torch.equal(g1[name], g2[name]), f"d{name} differs between two runs"
+
+
+@pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
+@settings(max_examples=4 if not GPU else 20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(dims=st.sampled_from([(16, 16), (32, 16), (16, 48)]), **OPTION_SPACE)
+def test_backward_random_combinations(backend, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims, seed):
+    """Random points of the whole option space, gradients of every input."""
+    rng = torch.Generator().manual_seed(seed)
+    case = random_case(rng, 90, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims)
+    case = grow(case, GPU)
+    x, got, want = grads(backend, case, rng)
+    check_grads(got, want, x, tol_for(case.dtype, backend))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_triton_backward_long_bf16(gate):
+    """GPU tier: a long bf16 sequence at K=V=128 against the PyTorch backend in float64."""
+    case = Case(T=4096, H=4, HV=8, K=128, V=128, dtype=torch.bfloat16, gate=gate, l2norm=True, beta_sigmoid=True)
+    x = make_inputs(case, device=DEVICE, requires_grad=True)
+    leaves = {n: x[n] for n in GRAD_INPUTS if isinstance(x.get(n), torch.Tensor)}
+    with use_backend("triton"):
+        o, s = chunk_kda(**x)
+    do, ds = torch.randn_like(o), torch.randn_like(s)
+    got = torch.autograd.grad((o.float() * do.float()).sum() + (s * ds).sum(), list(leaves.values()))
+    x64 = {n: (t.detach().double().requires_grad_() if n in leaves else t) for n, t in x.items()}
+    with use_backend("torch"):
+        o64, s64 = chunk_kda(**x64)
+    want = torch.autograd.grad((o64 * do.double()).sum() + (s64 * ds.double()).sum(), [x64[n] for n in leaves])
+    check_grads(dict(zip(leaves, got)), dict(zip(leaves, want)), x, tol_for(torch.bfloat16, "triton"))

@@ -4,7 +4,7 @@ per-token reference."""
 import pytest
 import torch
 from conftest import BACKENDS, DEVICE, GPU
-from helpers import AXES, check, grow, tol_for
+from helpers import AXES, OPTION_SPACE, check, grow, random_case, tol_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -99,32 +99,13 @@ def test_inference_mode_and_no_grad(rng):
     assert torch.equal(o1, o2)
 
 
-_gate = st.sampled_from(["pregated", "pregated_safe", "softplus", "lowerbound", "lowerbound_noA", "safe"])
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=12 if not GPU else 30, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
-    gate=_gate,
-    varlen=st.booleans(),
-    gva=st.booleans(),
-    beta_mode=st.sampled_from(["plain", "sigmoid", "neg"]),
-    l2=st.booleans(),
-    vfirst=st.booleans(),
-    chunk=st.sampled_from([32, 64]),
-    state=st.booleans(),
-    dims=st.sampled_from([(16, 16), (32, 16), (16, 64), (64, 32)]),
-    seed=st.integers(0, 2**31 - 1),
-)
+@given(dims=st.sampled_from([(16, 16), (32, 16), (16, 64), (64, 32)]), **OPTION_SPACE)
 def test_forward_random_combinations(backend, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims, seed):
     """Random points of the whole option space, not only one axis at a time."""
     rng = torch.Generator().manual_seed(seed)
-    lens = tuple(int(t) for t in torch.randint(0, 90, (3,), generator=rng)) if varlen else None
-    case = Case(
-        T=int(torch.randint(1, 130, (1,), generator=rng)), seqlens=lens, gate=gate, H=1, HV=2 if gva else 1,
-        K=dims[0], V=dims[1], beta_sigmoid=beta_mode != "plain", allow_neg_eigval=beta_mode == "neg", l2norm=l2,
-        state_v_first=vfirst, chunk_size=chunk, initial_state=state, final_state=True,
-    )
+    case = random_case(rng, 130, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims)
     case = grow(case, GPU)
     x, o, s, _ = run_forward(backend, case, rng)
     o_ref, s_ref = reference(x)

@@ -1,11 +1,13 @@
 """Triton backend for NVIDIA GPUs; CPU tensors run in the Triton interpreter
 (``TRITON_INTERPRET=1``) when this backend is forced, which is how the CPU test tier checks it.
 
+Stages: ``prepare`` and ``scan`` (chunk forward), ``bwd_scan`` and ``bwd_chunk`` (chunk backward,
+through ``function.ChunkKDAFunction``), ``recurrent`` (decoding), ``gate`` (gate helpers).
+
 Status: the kernels pass the CPU tier; the chunk forward passes most of the GPU tier but is not
-yet faster than fla-core, and the decode and gate kernels have not run on a GPU yet, so the backend
-serves only calls that force it (``FASTKDA_BACKEND=triton`` or ``fastkda.use_backend("triton")``).
-See BENCHMARKS.md.
-"""
+yet faster than fla-core, the backward and the decode and gate kernels have not run on a GPU yet,
+so the backend serves only calls that force it (``FASTKDA_BACKEND=triton`` or
+``fastkda.use_backend("triton")``). See BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from ... import platform
 from ...options import KDAInputs, KDAOptions
 from ..registry import Backend, forced_backend
 from .common import dot_config
+from .function import chunk_kda_autograd
 from .prepare import fwd_prepare
 from .recurrent import recurrent_forward
 from . import gate as gate_kernels
@@ -28,19 +31,26 @@ def _contig(t):
 
 
 def chunk_forward(opts: KDAOptions, x: KDAInputs):
-    """(o, final_state, h) through the two forward stages."""
+    """(o, final_state, h) through the two forward stages, without gradients."""
     q, k, v, g, beta = (_contig(t) for t in (x.q, x.k, x.v, x.g, x.beta))
     A_log, dt_bias, h0 = _contig(x.A_log), _contig(x.dt_bias), _contig(x.initial_state)
-    w, u, qg, kd, Aqk, gl, chunk_offsets, NT_total = fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias,
-                                                             x.cu_seqlens, x.cu_seqlens_cpu)
-    return fwd_scan(opts, w, u, qg, kd, Aqk, gl, h0, x.cu_seqlens, chunk_offsets, NT_total, v.dtype, *dot_config(q.dtype))
+    p = fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, x.cu_seqlens, x.cu_seqlens_cpu)
+    o, ht, h, _ = fwd_scan(opts, p, h0, x.cu_seqlens, v.dtype, *dot_config(q.dtype))
+    return o, ht, h
+
+
+def _wants_grad(x: KDAInputs) -> bool:
+    return torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.initial_state)
+    )
 
 
 class TritonBackend(Backend):
     name = "triton"
     priority = 100
     ops = ("chunk_kda", "fused_recurrent_kda", "kda_gate", "kda_gate_chunk_cumsum")
-    differentiable = ("kda_gate",)
+    differentiable = ("kda_gate", "chunk_kda")
 
     def _device_ok(self, t: torch.Tensor) -> tuple[bool, str]:
         if t.device.type == "cuda":
@@ -69,14 +79,13 @@ class TritonBackend(Backend):
         s = opts.shape
         if s.K > MAX_DIM or s.V > MAX_DIM:
             return False, f"K={s.K}, V={s.V}: the Triton kernels take K, V <= {MAX_DIM}"
-        if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
-                                                        inputs.A_log, inputs.dt_bias, inputs.initial_state)
-        ):
-            return False, f"gradients of {op} are not implemented in the Triton backend yet"
+        if op == "fused_recurrent_kda" and _wants_grad(inputs):
+            return False, "gradients of fused_recurrent_kda are not implemented in the Triton backend"
         return True, reason
 
     def chunk_kda(self, opts, inputs):
+        if _wants_grad(inputs):
+            return chunk_kda_autograd(opts, inputs)
         return chunk_forward(opts, inputs)
 
     def fused_recurrent_kda(self, opts, inputs):

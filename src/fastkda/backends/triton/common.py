@@ -85,6 +85,20 @@ def chunk_location(i_c, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VARLEN
 
 
 @triton.jit
+def sequence_location(i_n, cu_seqlens, chunk_offsets, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(first token, length, first global chunk index) of sequence i_n."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        c_off = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n * T
+        T_seq = T
+        c_off = i_n * tl.cdiv(T, C)
+    return bos, T_seq, c_off
+
+
+@triton.jit
 def mma(x, DT: tl.constexpr, EMU: tl.constexpr):
     """x as a matrix-product operand of dtype DT. The interpreter's bfloat16 products are wrong
     (they multiply raw bits), so with EMU the rounding to DT is kept and the product is float32."""

@@ -19,6 +19,8 @@ the gates after a token are a reverse cumulative sum of the stored activated gat
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -272,30 +274,29 @@ def kda_fwd_prepare_kernel(
         tl.store(rs + C + 16 * b + o_i, _rstd(k, bos, t0 + 16 * b, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
     tl.debug_barrier()  # gc is read back below by other threads of this program
 
-    # --- phase 2: Aqk stored (times scale), L = Diag(beta) Akk to the scratch ls ------------------
+    # --- phase 2: Aqk stored (times scale), Akk to the scratch ls (the backward reads it too) ------
     for r in range(NC):
         tr = t0 + 16 * r
-        b_b = _beta(beta, bos, tr, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)
         b_Aqk, b_Akk = _diag(q, k, gc, ga, rs, qg, kd, bos, t0, T_seq, i_h, i_hv, scale, o_i, r, NC, C, H, HV, K, BK, BS, SAFE,
                              L2NORM, PREC)
         _put(Aqk + 16 * r, b_Aqk * scale, bos, tr, T_seq, i_hv, HV, C, o_i, o_i)
-        _put_blk(ls, b_b[:, None] * b_Akk, 16 * r, 16 * r, C, o_i)
+        _put_blk(ls, b_Akk, 16 * r, 16 * r, C, o_i)
         for j in range(r):
             b_Aqk, b_Akk = _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, r, j, C, H, HV, K, BK, BS, L2NORM, PREC)
             _put(Aqk + 16 * j, b_Aqk * scale, bos, tr, T_seq, i_hv, HV, C, o_i, o_i)
-            _put_blk(ls, b_b[:, None] * b_Akk, 16 * r, 16 * j, C, o_i)
+            _put_blk(ls, b_Akk, 16 * r, 16 * j, C, o_i)
     tl.debug_barrier()
 
     # --- phase 3: X = (I + L)^-1 row block by row block, float32, to the scratch xs ----------------
-    # X_rr = (I + L_rr)^-1;  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj
+    # L = Diag(beta) Akk;  X_rr = (I + L_rr)^-1;  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj
     for r in range(NC):
-        tr = t0 + 16 * r
-        b_Xrr = _inv_unit_lower(_blk(ls, 16 * r, 16 * r, C, o_i), o_i)
+        b_b = _beta(beta, bos, t0 + 16 * r, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)[:, None]
+        b_Xrr = _inv_unit_lower(b_b * _blk(ls, 16 * r, 16 * r, C, o_i), o_i)
         _put_blk(xs, b_Xrr, 16 * r, 16 * r, C, o_i)
         for j in range(r):
             b_acc = tl.zeros([16, 16], tl.float32)
             for m in range(j, r):
-                b_acc += _mm(_blk(ls, 16 * r, 16 * m, C, o_i), _blk(xs, 16 * m, 16 * j, C, o_i))
+                b_acc += _mm(b_b * _blk(ls, 16 * r, 16 * m, C, o_i), _blk(xs, 16 * m, 16 * j, C, o_i))
             _put_blk(xs, -_mm(b_Xrr, b_acc), 16 * r, 16 * j, C, o_i)
         tl.debug_barrier()
 
@@ -312,8 +313,28 @@ def kda_fwd_prepare_kernel(
         tl.store(gl + (i_c * HV + i_hv) * K + o_d, tl.exp2(_bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, NC)), mask=o_d < K)
 
 
-def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host):
-    """Launch stage 1. Returns (w, u, qg, kd, Aqk, gl, chunk_offsets, NT_total)."""
+class Prepared(NamedTuple):
+    """What stage 1 leaves for the scan and for the backward: the tensors of the module docstring,
+    its float32 scratches and the chunk tables."""
+
+    w: torch.Tensor
+    u: torch.Tensor
+    qg: torch.Tensor
+    kd: torch.Tensor
+    Aqk: torch.Tensor
+    gl: torch.Tensor
+    gc: torch.Tensor  # block-local cumulative gates, base 2          [B, T, HV, K]
+    ga: torch.Tensor  # activated gates, base 2                       [B, T, HV, K]
+    ls: torch.Tensor  # Akk, lower blocks                              [NT, HV, C, C]
+    xs: torch.Tensor  # X = (I + Diag(beta) Akk)^-1, lower blocks      [NT, HV, C, C]
+    rs: torch.Tensor  # 1/|q|, 1/|k| of every row                      [NT, HV, 2, C]
+    chunk_indices: torch.Tensor | None
+    chunk_offsets: torch.Tensor | None
+    NT_total: int
+
+
+def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host) -> Prepared:
+    """Launch stage 1."""
     s, C = opts.shape, opts.chunk_size
     B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
     if cu_seqlens is not None:
@@ -329,7 +350,7 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host):
     gl = new_empty(NT_total, HV, K, dtype=torch.float32, device=dev)
     gc = new_empty(B, T, HV, K, dtype=torch.float32, device=dev)  # block-local cumulative gates
     ga = new_empty(B, T, HV, K, dtype=torch.float32, device=dev)  # activated gates
-    ls = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # Diag(beta) Akk, lower blocks
+    ls = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # Akk, lower blocks
     xs = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # (I + L)^-1, lower blocks
     rs = new_empty(NT_total, HV, 2, C, dtype=torch.float32, device=dev)  # 1/|q|, 1/|k| of every row
     PREC = "ieee" if dt == torch.float32 else "tf32"  # products are float32: tensor-core tf32 for 16-bit inputs
@@ -343,4 +364,4 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host):
             SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, IS_VARLEN=cu_seqlens is not None,
             PREC=PREC, num_warps=PREPARE_WARPS if max(BK, BV) <= 128 else 4, num_stages=1,
         )
-    return w, u, qg, kd, Aqk, gl, chunk_offsets, NT_total
+    return Prepared(w, u, qg, kd, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total)

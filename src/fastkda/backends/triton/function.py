@@ -1,0 +1,63 @@
+"""The autograd Function of the Triton chunk_kda: forward stages 1-2, backward stages 1-2.
+
+By default the backward recomputes stage 1 and the scan (cheap next to the backward itself);
+``disable_recompute=True`` keeps them from the forward instead, at the cost of their memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...options import KDAInputs, KDAOptions
+from .bwd_chunk import bwd_chunk
+from .bwd_scan import bwd_scan
+from .common import dot_config
+from .prepare import Prepared, fwd_prepare
+from .scan import fwd_scan
+
+
+def _contig(t):
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, opts: KDAOptions, x: KDAInputs, q, k, v, g, beta, A_log, dt_bias, initial_state):
+        # the tensors come again as arguments so that autograd sees them; x carries the rest
+        x = x._replace(q=_contig(q), k=_contig(k), v=_contig(v), g=_contig(g), beta=_contig(beta),
+                       A_log=_contig(A_log), dt_bias=_contig(dt_bias), initial_state=_contig(initial_state))
+        cfg = dot_config(x.q.dtype)
+        p = fwd_prepare(opts, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, x.cu_seqlens_cpu)
+        o, ht, h, vn = fwd_scan(opts, p, x.initial_state, x.cu_seqlens, x.v.dtype, *cfg, keep=opts.disable_recompute)
+        kept = (*p[:11], h, vn) if opts.disable_recompute else ()
+        ctx.save_for_backward(x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.initial_state, x.cu_seqlens, *kept)
+        ctx.opts, ctx.x, ctx.tables = opts, x._replace(q=None, k=None, v=None, g=None, beta=None), p[11:]
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        opts = ctx.opts
+        q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, *kept = ctx.saved_tensors
+        x = ctx.x._replace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
+                           cu_seqlens=cu_seqlens)
+        DT, PREC, EMU = dot_config(q.dtype)
+        if kept:
+            p = Prepared(*kept[:11], *ctx.tables)
+            h, vn = kept[11:]
+        else:
+            p = fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, x.cu_seqlens_cpu)
+            _, _, h, vn = fwd_scan(opts, p, h0, cu_seqlens, v.dtype, DT, PREC, EMU, outputs=False, keep=True)
+        do = _contig(do)
+        dht = _contig(dht) if opts.output_final_state else None
+        dhs, dvn, dh0 = bwd_scan(opts, p.qg, p.w, p.kd, p.Aqk, p.gl, do, dht, cu_seqlens, p.chunk_offsets, p.NT_total,
+                                 h0 is not None and ctx.needs_input_grad[9], DT, PREC, EMU)
+        dq, dk, dv, dg, dbeta, dA_log, ddt_bias = bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens)
+        if dh0 is not None:
+            dh0 = dh0.to(h0.dtype)
+        return None, None, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
+
+
+def chunk_kda_autograd(opts: KDAOptions, x: KDAInputs):
+    """(o, final_state, None) with gradients through the Triton kernels."""
+    o, ht = ChunkKDAFunction.apply(opts, x, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.initial_state)
+    return o, ht, None
