@@ -29,7 +29,7 @@ from ...testing import new_empty
 from .common import chunk_location, gate_backward, pow2, row_of
 from .prepare import SLICE, _beta, _blk, _bsums, _c, _put, _put_blk, _tile, _x
 
-BWD_CHUNK_WARPS = 4
+BWD_CHUNK_WARPS = 8  # 4 spill registers at K = V = 128
 
 
 @triton.jit
@@ -46,8 +46,8 @@ def _xcol(xs, r, C: tl.constexpr, o_c, o_i):
 
 @triton.jit
 def _state(x, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
-    """[BK, BS] tile of a [K, V] float32 state."""
-    return tl.load(x + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0)
+    """[BK, BS] tile of a [K, V] state, as float32."""
+    return tl.load(x + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit

@@ -21,7 +21,7 @@ from .common import mma, pow2, sequence_location
 from .scan import _state_ptrs, chunk_operands
 
 BWD_SCAN_BV = 64
-BWD_SCAN_WARPS = 4
+BWD_SCAN_WARPS = 8  # 4 spill registers at K = V = 128
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -68,8 +68,8 @@ def kda_bwd_scan_kernel(
 
 
 def bwd_scan(opts, qg, w, kd, Aqk, gl, do, dht, cu_seqlens, chunk_offsets, NT_total, want_dh0, DT, PREC, EMU):
-    """Launch backward stage 1. Returns (dhs [NT_total, HV, K, V] float32, dv' [B, T, HV, V] float32,
-    dh0 or None)."""
+    """Launch backward stage 1. Returns (dhs [NT_total, HV, K, V], dv' [B, T, HV, V], dh0 or None), all
+    float32 (in 16 bits, dhs alone would add half of the bf16 error budget to dk and dA_log)."""
     s, C = opts.shape, opts.chunk_size
     B, T, HV, K, V, N = s.B, s.T, s.HV, s.K, s.V, s.N
     dev = qg.device
@@ -77,12 +77,12 @@ def bwd_scan(opts, qg, w, kd, Aqk, gl, do, dht, cu_seqlens, chunk_offsets, NT_to
     dvn = new_empty(B, T, HV, V, dtype=torch.float32, device=dev)
     dh0 = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev) if want_dh0 else None
     BK = pow2(K)
-    BV = min(pow2(V), BWD_SCAN_BV)
+    BV = min(pow2(V), BWD_SCAN_BV if BK <= 128 else 32)  # wider keys: fewer registers per program
     if N * HV > 0:
         kda_bwd_scan_kernel[(triton.cdiv(V, BV), N * HV)](
             qg, w, kd, Aqk, gl, do, dht, dhs, dh0, dvn, cu_seqlens, chunk_offsets, T,
             HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=want_dh0,
             V_FIRST=opts.state_v_first, IS_VARLEN=cu_seqlens is not None, DT=DT, PREC=PREC, EMU=EMU,
-            num_warps=BWD_SCAN_WARPS if BK <= 128 else 8, num_stages=1,
+            num_warps=BWD_SCAN_WARPS, num_stages=1,
         )
     return dhs, dvn, dh0

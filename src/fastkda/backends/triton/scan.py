@@ -79,7 +79,7 @@ def kda_fwd_scan_kernel(
         r_t = o_t.to(tl.int64)[:, None]
         if STORE_H:
             p_h, m_h = _state_ptrs(h + ((c_off + i_t) * HV + i_hv) * K * V, o_k, o_v, K, V, H_V_FIRST)
-            tl.store(p_h, b_S, mask=m_h)
+            tl.store(p_h, b_S.to(h.dtype.element_ty), mask=m_h)
         b_w, b_qg, b_kd, b_A, b_gl = chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV, K, C, DT, EMU)
         b_u = tl.load(u + p_uv + r_t * (HV * V), mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
 
@@ -101,8 +101,8 @@ def kda_fwd_scan_kernel(
 def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep=False):
     """Launch stage 2 on the output ``p`` of stage 1. Returns (o, final_state, h, v'), each None
     unless asked for: ``outputs`` gives o and the final state (if the options ask for it);
-    ``keep`` gives what the backward needs, h in [K, V] order and v'; otherwise h only with
-    ``return_intermediate_states`` (in the state layout)."""
+    ``keep`` gives what the backward needs, h in [K, V] order and v' (both in the input dtype);
+    otherwise h only with ``return_intermediate_states`` (float32, in the state layout)."""
     s, C = opts.shape, opts.chunk_size
     B, T, HV, K, V, N = s.B, s.T, s.HV, s.K, s.V, s.N
     dev = p.w.device
@@ -111,8 +111,8 @@ def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep
     if outputs and opts.output_final_state:
         ht = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev)
     h = vn = None
-    if keep:
-        h = new_empty(p.NT_total, HV, K, V, dtype=torch.float32, device=dev)
+    if keep:  # in the input dtype: the products that read them take that precision anyway
+        h = new_empty(p.NT_total, HV, K, V, dtype=p.u.dtype, device=dev)
         vn = new_empty(B, T, HV, V, dtype=p.u.dtype, device=dev)
     elif opts.return_intermediate_states:
         lead = (1, p.NT_total) if cu_seqlens is not None else (B, triton.cdiv(T, C))
