@@ -20,6 +20,47 @@ BACKENDS = [b.name for b in backends()]
 BACKWARD_BACKENDS = [b.name for b in backends() if "chunk_kda" in b.differentiable]
 
 
+def _record_launches(path: str):
+    """Append every interpreted kernel launch (module, kernel, argument types, constexprs, launch
+    options) to ``path``, for tools/compile_check.py."""
+    import json
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+             torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        sig, consts = {}, {}
+        for name, a in zip(self.arg_names, args):
+            if isinstance(a, torch.Tensor):
+                sig[name] = "*" + names[a.dtype]
+            elif a is None:
+                consts[name] = None
+            elif isinstance(a, bool):
+                sig[name] = "i1"
+            elif isinstance(a, int):
+                sig[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
+            else:
+                sig[name] = "fp32"
+        opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        for k, v in kwargs.items():
+            if k not in opts:
+                consts[k] = v if isinstance(v, (int, float, str, bool)) or v is None else f"tl:{v}"  # a tl.dtype
+        rec = {"module": self.fn.__module__, "name": self.fn.__name__, "signature": sig, "constexprs": consts,
+               "options": opts}
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording_run
+
+
+if os.environ.get("FASTKDA_RECORD_LAUNCHES") and os.environ.get("TRITON_INTERPRET") == "1":
+    _record_launches(os.environ["FASTKDA_RECORD_LAUNCHES"])
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="GPU tier: needs a CUDA device")
     for item in items:

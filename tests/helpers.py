@@ -5,7 +5,7 @@ import math
 import torch
 from hypothesis import strategies as st
 
-from fastkda.testing import AXES, GATES, Case, grow, rel_rms, tolerance  # noqa: F401
+from fastkda.testing import AXES, GATES, Case, gate_param_scales, grow, param_error, rel_rms, tolerance  # noqa: F401
 
 # the option space of SPEC section 6 as hypothesis strategies (feature sizes chosen per test)
 OPTION_SPACE = dict(
@@ -36,32 +36,6 @@ def check(name: str, actual, ref, tol: float):
     err = rel_rms(actual, ref)
     assert err <= tol, f"{name}: relative RMS error {err:.3g} > {tol:.3g}"
     return err
-
-
-def gate_param_scales(x: dict, dg_raw):
-    """Sum of |contribution| of every token and channel to dA_log [HV] and ddt_bias [HV*K], from the
-    float64 gradient of the raw gate input. These gradients are sums over all tokens whose terms
-    largely cancel, so their honest error measure is relative to the sum of the magnitudes of the
-    terms (each term carries its own rounding), not to the (small) result."""
-    if not x.get("use_gate_in_kernel") or dg_raw is None:
-        return {}
-    g = x["g"].detach().double()
-    HV, K = g.shape[-2:]
-    xg = g + (x["dt_bias"].detach().double().view(HV, K) if x.get("dt_bias") is not None else 0)
-    dx = dg_raw.detach().double()
-    red = tuple(range(dx.dim() - 2))
-    out = {"dt_bias": dx.abs().sum(red).reshape(-1)}
-    if x.get("lower_bound") is not None:  # dA_log = sum dx * x
-        out["A_log"] = (dx * xg).abs().sum(red).sum(-1)
-    else:  # softplus: dA_log = sum dg * y = sum dx * softplus(x) / sigmoid(x)
-        ratio = torch.nn.functional.softplus(xg) / torch.sigmoid(xg)
-        out["A_log"] = (dx * ratio).abs().sum(red).sum(-1)
-    return out
-
-
-def param_error(got, ref, scale) -> float:
-    """Norm of the error of a gate-parameter gradient over the norm of its term magnitudes."""
-    return ((got.double() - ref.double()).norm() / scale.norm().clamp_min(1e-300)).item()
 
 
 def check_grads(got: dict, want: dict, x: dict, tol: float):

@@ -15,7 +15,10 @@ import torch.nn.functional as F
 
 from .naive import naive_chunk_kda, naive_recurrent_kda
 
-__all__ = ["Case", "AXES", "grow", "make_inputs", "reference", "rel_rms", "poisoned", "new_empty", "TOLERANCE", "tolerance"]
+__all__ = [
+    "Case", "AXES", "grow", "make_inputs", "reference", "rel_rms", "poisoned", "new_empty", "TOLERANCE", "tolerance",
+    "gate_param_scales", "param_error",
+]
 
 # ----------------------------------------------------------------------------------------------
 # poisoning: kernels allocate their outputs through new_empty; under poisoned() those start as NaN
@@ -260,3 +263,29 @@ def reference(inputs: dict, chunked: bool = False, chunk_size: int = 64, **extra
     if chunked:
         return naive_chunk_kda(*args, chunk_size=chunk_size, **kw, **extra)
     return naive_recurrent_kda(*args, **kw, **extra)
+
+
+def gate_param_scales(x: dict, dg_raw):
+    """Sum of |contribution| of every token and channel to dA_log [HV] and ddt_bias [HV*K], from the
+    float64 gradient of the raw gate input. These gradients are sums over all tokens whose terms
+    largely cancel, so their honest error measure is relative to the sum of the magnitudes of the
+    terms (each term carries its own rounding), not to the (small) result."""
+    if not x.get("use_gate_in_kernel") or dg_raw is None:
+        return {}
+    g = x["g"].detach().double()
+    HV, K = g.shape[-2:]
+    xg = g + (x["dt_bias"].detach().double().view(HV, K) if x.get("dt_bias") is not None else 0)
+    dx = dg_raw.detach().double()
+    red = tuple(range(dx.dim() - 2))
+    out = {"dt_bias": dx.abs().sum(red).reshape(-1)}
+    if x.get("lower_bound") is not None:  # dA_log = sum dx * x
+        out["A_log"] = (dx * xg).abs().sum(red).sum(-1)
+    else:  # softplus: dA_log = sum dg * y = sum dx * softplus(x) / sigmoid(x)
+        ratio = torch.nn.functional.softplus(xg) / torch.sigmoid(xg)
+        out["A_log"] = (dx * ratio).abs().sum(red).sum(-1)
+    return out
+
+
+def param_error(got, ref, scale) -> float:
+    """Norm of the error of a gate-parameter gradient over the norm of its term magnitudes."""
+    return ((got.double() - ref.double()).norm() / scale.norm().clamp_min(1e-300)).item()

@@ -31,7 +31,10 @@ class ChunkKDAFunction(torch.autograd.Function):
         o, ht, h, vn = fwd_scan(opts, p, x.initial_state, x.cu_seqlens, x.v.dtype, *cfg, keep=opts.disable_recompute)
         kept = (*p[:11], h, vn) if opts.disable_recompute else ()
         ctx.save_for_backward(x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.initial_state, x.cu_seqlens, *kept)
-        ctx.opts, ctx.x, ctx.tables = opts, x._replace(q=None, k=None, v=None, g=None, beta=None), p[11:]
+        # the tensors live in saved_tensors only (a tensor of the graph held on ctx would be a cycle)
+        ctx.x = x._replace(q=None, k=None, v=None, g=None, beta=None, A_log=None, dt_bias=None, initial_state=None,
+                           cu_seqlens=None)
+        ctx.opts, ctx.tables = opts, p[11:]
         return o, ht
 
     @staticmethod

@@ -24,6 +24,8 @@ REC_WARPS = 4
 
 # error codes: 0 ok; otherwise kind + 4 * (sequence index)
 ERR_SLOT, ERR_ACCEPTED, ERR_TOKENS = 1, 2, 3
+# the same codes as kernel constants (a kernel reads only globals that are tl.constexpr)
+_ERR_SLOT, _ERR_ACCEPTED, _ERR_TOKENS = tl.constexpr(ERR_SLOT), tl.constexpr(ERR_ACCEPTED), tl.constexpr(ERR_TOKENS)
 
 
 @triton.jit
@@ -39,11 +41,11 @@ def kda_check_indices_kernel(idx, acc, cu_seqlens, err, N, T, num_slots, stride_
             L = T
         b_idx = tl.load(idx + n * stride_idx + o_c, mask=o_c < COLS, other=0).to(tl.int64)
         bad_slot = tl.sum(((b_idx < -1) | (b_idx >= num_slots)).to(tl.int32), 0) > 0
-        this = tl.where(bad_slot, ERR_SLOT, 0)
+        this = tl.where(bad_slot, _ERR_SLOT, 0)
         if SPEC:
             a = tl.load(acc + n).to(tl.int64)
-            this = tl.where((a < 1) | (a > COLS), ERR_ACCEPTED, this)
-            this = tl.where(L > COLS, ERR_TOKENS, this)
+            this = tl.where((a < 1) | (a > COLS), _ERR_ACCEPTED, this)
+            this = tl.where(L > COLS, _ERR_TOKENS, this)
         code = tl.where((code == 0) & (this != 0), this + 4 * n, code)
     tl.store(err + tl.arange(0, 1), code)
 

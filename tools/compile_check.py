@@ -1,0 +1,100 @@
+"""Compile for a GPU, on a machine without one, every Triton kernel variant the CPU tier launched.
+
+The interpreter runs kernels as Python, so it does not catch what only the GPU compiler rejects
+(shapes a matrix product does not take, shared memory over the limit) nor register spills. Record
+the launches of a CPU-tier run, then compile each distinct variant for the target and report its
+registers, spill stack and shared memory:
+
+    FASTKDA_RECORD_LAUNCHES=launches.jsonl ./dev test tests/test_backward.py -k triton
+    python tools/compile_check.py launches.jsonl [--arch 90] [--jobs 2]
+
+Exit status 1 when a variant fails to compile (or exceeds the shared memory of the target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+SMEM_LIMIT = {90: 232448, 100: 232448, 80: 166912}  # bytes per block (opt-in maximum)
+
+
+def _variants(path):
+    seen = {}
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            key = json.dumps([r["module"], r["name"], r["signature"], r["constexprs"], r["options"]], sort_keys=True)
+            seen.setdefault(key, r)
+    return list(seen.values())
+
+
+def _cuobjdump():
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return path if os.path.exists(path) else shutil.which("cuobjdump")
+
+
+def compile_one(r, arch):
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(r["module"]), r["name"])
+    consts = {}
+    if r["constexprs"].get("EMU"):  # the interpreter's bf16 product emulation: off on a GPU (dot_config)
+        r = {**r, "constexprs": {**r["constexprs"], "EMU": False}}
+    for name, value in r["constexprs"].items():
+        if isinstance(value, str) and value.startswith("tl:"):
+            value = tl.dtype(value[3:])
+        consts[(fn.arg_names.index(name),)] = value
+    sig = {n: r["signature"].get(n, "constexpr") for n in fn.arg_names}
+    label = f"{r['name']} {r['options']} " + " ".join(f"{k}={v}" for k, v in sorted(r["constexprs"].items()))
+    try:
+        k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
+                           options=r["options"])
+    except Exception as e:  # the report is the point
+        return False, f"FAIL {label}\n    {type(e).__name__}: {str(e).strip().splitlines()[-1][:400]}"
+    usage = ""
+    tool = _cuobjdump()
+    if tool:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        usage = next((ln.strip() for ln in out.splitlines() if "REG:" in ln), "")
+        usage = " ".join(p for p in usage.split() if p.startswith(("REG:", "STACK:")))
+    smem = k.metadata.shared
+    ok = smem <= SMEM_LIMIT.get(arch, 232448)
+    return ok, f"{'ok  ' if ok else 'SMEM'} {usage} smem={smem} {label}"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("launches")
+    p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = p.parse_args()
+    variants = _variants(args.launches)
+    print(f"{len(variants)} distinct kernel variants, compiling for sm_{args.arch}", flush=True)
+    bad = 0
+    with cf.ProcessPoolExecutor(args.jobs) as pool:
+        for ok, line in pool.map(compile_one, variants, [args.arch] * len(variants)):
+            bad += not ok
+            print(line, flush=True)
+    print(f"{len(variants) - bad} compiled, {bad} failed")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
