@@ -145,13 +145,15 @@ def breakdown(name="B1 T8192 H64"):
     with torch.inference_mode():
         opts, inp = chunk_options(*x.values(), **call)
         args = (opts, inp.q, inp.k, inp.v, inp.g, inp.beta, inp.A_log, inp.dt_bias, None, None)
-        for warps in (2, 4, 8):
-            prepare.PREPARE_WARPS = warps
+        defaults = prepare.PREPARE_WIDE, prepare.PREPARE_WARPS, prepare.PREPARE_WIDE_WARPS
+        for wide, warps in ((False, 2), (False, 4), (False, 8), (True, 4), (True, 8)):
+            prepare.PREPARE_WIDE, prepare.PREPARE_WARPS, prepare.PREPARE_WIDE_WARPS = wide, warps, warps
             out = prepare.fwd_prepare(*args)
             ms = tt.do_bench(lambda: prepare.fwd_prepare(*args), warmup=25, rep=100, return_mode="median")
-            rows.append({"stage": "prepare", "warps": warps, "ms": ms})
-            print(f"{name}: prepare warps={warps}: {ms:.3f} ms", flush=True)
-        prepare.PREPARE_WARPS = 2
+            rows.append({"stage": "prepare", "wide": wide, "warps": warps, "ms": ms})
+            print(f"{name}: prepare wide={wide} warps={warps}: {ms:.3f} ms", flush=True)
+        prepare.PREPARE_WIDE, prepare.PREPARE_WARPS, prepare.PREPARE_WIDE_WARPS = defaults
+        out = prepare.fwd_prepare(*args)
         sargs = (opts, out, None, None, inp.v.dtype, *common.dot_config(inp.q.dtype))
         for bv, warps, stages in ((64, 8, 2), (64, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 3), (128, 8, 2)):
             scan.SCAN_BV, scan.SCAN_WARPS, scan.SCAN_STAGES = bv, warps, stages

@@ -75,6 +75,16 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(f, [x[n] for n in names], eps=1e-6, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+def test_triton_backward_wide_prepare(rng, monkeypatch):
+    """The backward reads the scratches of the forward's stage 1: also in its wide form."""
+    from fastkda.backends.triton import prepare
+
+    monkeypatch.setattr(prepare, "PREPARE_WIDE", True)
+    x, got, want = grads("triton", grow(BWD_AXES["varlen"], GPU), rng)
+    check_grads(got, want, x, tol_for(x["q"].dtype, "triton"))
+
+
 @pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
 def test_backward_deterministic(backend, rng):
     """Two runs of the same backward give bit-identical gradients (no atomics whose order varies)."""

@@ -15,6 +15,11 @@ All exponents are base 2 and built as sums of the gates they span, never as a di
 cumulative sums (which loses precision for large gates): within block b, ``c_b`` is the
 inclusive cumulative gate from the block start (scratch ``gc``), ``s_b`` the block total, and
 the gates after a token are a reverse cumulative sum of the stored activated gates (``ga``).
+
+Two forms of phases 2 and 4 (``PREPARE_WIDE``): the narrow one forms every 16x16 block pair and
+every [16, BS] row block of w and u separately (small tiles, 2 warps); the wide one forms a row
+block against all earlier columns in one [16, BS] x [BS, C] product (the columns scaled for that
+row block) and w, u of the whole chunk as [C, C] x [C, BS] products (4 warps). Same results.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from ...testing import new_empty
 from .common import activate_gate, chunk_location, chunk_tables, gate_code, pow2, row_of
 
 PREPARE_WARPS = 2  # for K, V <= 128; 4 beyond
+PREPARE_WIDE = False  # phases 2 and 4 as few wide products (see the kernel); not yet timed on a GPU
+PREPARE_WIDE_WARPS = 4  # 2 spill registers in the wide variant at K = V = 128 (offline sm_90 compile)
 SLICE = 32  # feature columns per tile
 
 
@@ -219,6 +226,33 @@ def _wu(x, out, gc, rs, xs, beta, bos, t0, T_seq, i_h, i_hv, o_i, R, IS_U: tl.co
 
 
 @triton.jit
+def _after_in_block(ga, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, o_c, o_d,
+                    BS: tl.constexpr):
+    """[C, BS]: for every token of the chunk, the sum of the gates after it up to its block's end (a
+    reverse cumulative sum of the next rows within each 16-token block, as ``_x``)."""
+    o_t = t0 + 1 + o_c
+    m = ((o_c % 16 < 15) & (o_t < T_seq))[:, None] & (o_d < K)[None, :]
+    b_g = tl.load(ga + (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :], mask=m, other=0.0)
+    b_x = tl.cumsum(tl.reshape(b_g, [C // 16, 16, BS]), 1, reverse=True)
+    return tl.reshape(b_x, [C, BS])
+
+
+@triton.jit
+def _blocks_between(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, NC: tl.constexpr, C: tl.constexpr,
+                    BS: tl.constexpr, o_c, o_d, BETWEEN: tl.constexpr, hi):
+    """[C, BS]: for row j, the gates of the blocks strictly between j's block and block hi (BETWEEN),
+    or of the blocks before j's block: sums of block sums."""
+    b_T = tl.zeros([C, BS], tl.float32)
+    for b in range(NC):
+        if BETWEEN:
+            m_b = ((o_c // 16) < b) & (b < hi)
+        else:
+            m_b = b < (o_c // 16)
+        b_T += tl.where(m_b[:, None], _bsum(gc, bos, t0 + 16 * b, T_seq, i_hv, HV, K, o_d)[None, :], 0.0)
+    return b_T
+
+
+@triton.jit
 def _blk(x, row, col, C: tl.constexpr, o_i):
     """The [16, 16] block at rows row.., columns col.. of this program's [C, C] float32 scratch."""
     return tl.load(x + (row + o_i)[:, None] * C + col + o_i[None, :])
@@ -254,13 +288,14 @@ def kda_fwd_prepare_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
     HAS_BIAS: tl.constexpr, SAFE: tl.constexpr, L2NORM: tl.constexpr, SIGMOID: tl.constexpr,
-    BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_h = i_hv // (HV // H)
     i_n, i_t, bos, T_seq = chunk_location(i_c, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
     t0 = i_t * C  # first token of the chunk, within its sequence
     o_i = tl.arange(0, 16)
+    o_c = tl.arange(0, C)
     NC: tl.constexpr = C // 16
 
     ls += (i_c * HV + i_hv) * C * C  # this program's [C, C] scratch blocks
@@ -281,10 +316,33 @@ def kda_fwd_prepare_kernel(
                              L2NORM, PREC)
         _put(Aqk + 16 * r, b_Aqk * scale, bos, tr, T_seq, i_hv, HV, C, o_i, o_i)
         _put_blk(ls, b_Akk, 16 * r, 16 * r, C, o_i)
-        for j in range(r):
-            b_Aqk, b_Akk = _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, r, j, C, H, HV, K, BK, BS, L2NORM, PREC)
-            _put(Aqk + 16 * j, b_Aqk * scale, bos, tr, T_seq, i_hv, HV, C, o_i, o_i)
-            _put_blk(ls, b_Akk, 16 * r, 16 * j, C, o_i)
+        if WIDE:  # all earlier blocks at once: [16, BS] x [BS, C] products, columns scaled per row block
+            b_Aqk = tl.zeros([16, C], tl.float32)
+            b_Akk = tl.zeros([16, C], tl.float32)
+            b_rq = _rs(rs, 0, 16 * r, C, o_i)
+            b_rk = _rs(rs, 1, 16 * r, C, o_i)
+            for s in range(0, BK, BS):
+                o_d = s + tl.arange(0, BS)
+                b_e = tl.exp2(_c(gc, bos, tr, T_seq, i_hv, HV, K, o_i, o_d))
+                b_q = _tile(q, bos, tr, T_seq, i_h, H, K, o_i, o_d) * b_rq[:, None] * b_e
+                b_k = _tile(k, bos, tr, T_seq, i_h, H, K, o_i, o_d) * b_rk[:, None] * b_e
+                # column j < 16 r: gates after j to its block end, then the blocks up to block r
+                b_x = _after_in_block(ga, bos, t0, T_seq, i_hv, HV, K, C, o_c, o_d, BS) \
+                    + _blocks_between(gc, bos, t0, T_seq, i_hv, HV, K, NC, C, BS, o_c, o_d, True, r)
+                b_col = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + C + o_c)[:, None]
+                b_col = tl.trans(tl.where((o_c < 16 * r)[:, None], b_col * tl.exp2(b_x), 0.0))
+                b_Aqk += tl.dot(b_q, b_col, input_precision=PREC)
+                b_Akk += tl.dot(b_k, b_col, input_precision=PREC)
+            m_w = ((tr + o_i) < T_seq)[:, None] & (o_c < 16 * r)[None, :]
+            tl.store(Aqk + (bos + tr + o_i).to(tl.int64)[:, None] * (HV * C) + i_hv * C + o_c[None, :], (b_Aqk * scale).to(
+                Aqk.dtype.element_ty), mask=m_w)
+            tl.store(ls + (16 * r + o_i)[:, None] * C + o_c[None, :], b_Akk, mask=(o_c < 16 * r)[None, :])
+        else:
+            for j in range(r):
+                b_Aqk, b_Akk = _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, r, j, C, H, HV, K, BK, BS, L2NORM,
+                                     PREC)
+                _put(Aqk + 16 * j, b_Aqk * scale, bos, tr, T_seq, i_hv, HV, C, o_i, o_i)
+                _put_blk(ls, b_Akk, 16 * r, 16 * j, C, o_i)
     tl.debug_barrier()
 
     # --- phase 3: X = (I + L)^-1 row block by row block, float32, to the scratch xs ----------------
@@ -301,11 +359,26 @@ def kda_fwd_prepare_kernel(
         tl.debug_barrier()
 
     # --- phase 4: w = X (beta k e^G), u = X (beta v) ---------------------------------------------
-    for r in range(NC):
-        _wu(k, w, gc, rs, xs, beta, bos, t0, T_seq, i_h, i_hv, o_i, r, False, H, K, HV, K, C, BK, BS, SIGMOID, BETA_SCALE,
-            L2NORM, PREC)
-        _wu(v, u, gc, rs, xs, beta, bos, t0, T_seq, i_h, i_hv, o_i, r, True, HV, V, HV, K, C, BV, BS, SIGMOID, BETA_SCALE,
-            L2NORM, PREC)
+    if WIDE:  # the whole chunk at once: [C, C] x [C, BS] products
+        b_X = tl.load(xs + o_c[:, None] * C + o_c[None, :], mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16), other=0.0)
+        b_bC = _beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)
+        b_bk = b_bC * tl.load(rs + C + o_c)
+        for s in range(0, BK, BS):
+            o_d = s + tl.arange(0, BS)
+            b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) \
+                + _blocks_between(gc, bos, t0, T_seq, i_hv, HV, K, NC, C, BS, o_c, o_d, False, 0)
+            b_y = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * b_bk[:, None] * tl.exp2(b_G)
+            _put(w, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+        for s in range(0, BV, BS):
+            o_d = s + tl.arange(0, BS)
+            b_y = _tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_d) * b_bC[:, None]
+            _put(u, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
+    else:
+        for r in range(NC):
+            _wu(k, w, gc, rs, xs, beta, bos, t0, T_seq, i_h, i_hv, o_i, r, False, H, K, HV, K, C, BK, BS, SIGMOID,
+                BETA_SCALE, L2NORM, PREC)
+            _wu(v, u, gc, rs, xs, beta, bos, t0, T_seq, i_h, i_hv, o_i, r, True, HV, V, HV, K, C, BV, BS, SIGMOID,
+                BETA_SCALE, L2NORM, PREC)
 
     # --- chunk decay -------------------------------------------------------------------------------
     for s in range(0, BK, BS):
@@ -362,6 +435,7 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host) -> 
             H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, BS=min(SLICE, BK, BV), GATE=gate_code(opts.gate),
             HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, SAFE=opts.safe_gate, L2NORM=opts.qk_l2norm,
             SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, IS_VARLEN=cu_seqlens is not None,
-            PREC=PREC, num_warps=PREPARE_WARPS if max(BK, BV) <= 128 else 4, num_stages=1,
+            PREC=PREC, WIDE=PREPARE_WIDE,
+            num_warps=PREPARE_WIDE_WARPS if PREPARE_WIDE else PREPARE_WARPS if max(BK, BV) <= 128 else 4, num_stages=1,
         )
     return Prepared(w, u, qg, kd, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total)
