@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ...testing import new_empty
 from .common import chunk_location, gate_backward, pow2, row_of
-from .prepare import SLICE, _beta, _blk, _bsums, _c, _put, _put_blk, _tile, _x
+from .prepare import SLICE, _beta, _blk, _bsums, _c, _put, _tile, _x
 
 BWD_CHUNK_WARPS = 8  # 4 spill registers at K = V = 128
 
@@ -138,7 +138,6 @@ def kda_bwd_chunk_kernel(
         b_Xc = _xcol(xs, r, C, o_c, o_i)
         b_dL = tl.load(s_dL + (16 * r + o_i)[:, None] * C + o_c[None, :])  # [16, C]
         b_db = tl.load(s_db + 16 * r + o_i)
-        b_before = tl.zeros([16], tl.float32)
         for s in range(0, BK, BS):
             o_d = s + tl.arange(0, BS)
             # rows of earlier blocks already hold dkg: X is zero there, so they are not read
