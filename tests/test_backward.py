@@ -75,6 +75,14 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(f, [x[n] for n in names], eps=1e-6, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
+def test_backward_widest_heads(backend, rng):
+    """K = 256 (the Triton limit) and V = 200 (not a power of two), forward and gradients."""
+    case = Case(T=40, H=1, HV=1, K=256, V=200, gate="safe", l2norm=True, beta_sigmoid=True, chunk_size=32)
+    x, got, want = grads(backend, case.replace(T=1000, H=2, HV=4) if GPU else case, rng)
+    check_grads(got, want, x, tol_for(case.dtype, backend))
+
+
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 def test_triton_backward_wide_prepare(rng, monkeypatch):
     """The backward reads the scratches of the forward's stage 1: also in its wide form."""
