@@ -14,8 +14,8 @@ feature slices, as in the forward's prepare stage. With v' = u - w S and dv' fro
     phase C (gated products):       dq, dk and dG from Aqk, Akk, qg, kd, kg and the chunk decay;
                                     dg = reverse cumulative sum of dG, through the gate activation
 
-dq and dk leave per value head (float32, before l2norm); ``bwd_qk`` sums the heads of a group and
-applies the l2norm backward. Everything else leaves final. dA_log and dt_bias leave per-program
+dq and dk leave per value head (float32, before l2norm, in the buffers of dqg and dkd); ``bwd_qk``
+sums the heads of a group and applies the l2norm backward. Everything else leaves final. dA_log and dt_bias leave per-program
 partial sums (deterministic; summed by the caller).
 """
 
@@ -60,7 +60,7 @@ def kda_bwd_chunk_kernel(
     q, k, v, g, beta, A_log, dt_bias,
     w, u, vn, h, dhs, do, dvn, gc, ga, ls, xs, rs,
     s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, s_yb, s_B,
-    dqh, dkh, dv, dg, dbeta, dA_part, dbias_part,
+    dv, dg, dbeta, dA_part, dbias_part,
     cu_seqlens, chunk_indices, scale, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
@@ -267,8 +267,9 @@ def kda_bwd_chunk_kernel(
             b_dqg = _tile(s_dqg, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) * (scale * b_eG)
             b_dkd = _tile(s_dkd, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) * b_eD
             b_dkg = _tile(s_dw, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) * b_eG
-            _put(dqh, b_dq + b_dqg, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
-            _put(dkh, b_dkr + b_dkc + b_dkd + b_dkg, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+            # dq and dk of this value head (before l2norm) replace dqg and dkd, read for the last time
+            _put(s_dqg, b_dq + b_dqg, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+            _put(s_dkd, b_dkr + b_dkc + b_dkd + b_dkg, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
             b_dG = b_q * b_dqg + b_k * b_dkg  # the single-token terms of dG_i (natural log)
             b_pre = tl.zeros([BS], tl.float32)  # y summed over the earlier blocks
             for j in range(r):
@@ -326,8 +327,9 @@ def bwd_qk(x, dxh, L2NORM: bool):
 
 
 def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
-    """Launch backward stage 2 (and the q/k reduction). ``x``: the KDAInputs (contiguous);
-    ``p``: the forward's stage-1 output. Returns (dq, dk, dv, dg, dbeta, dA_log, ddt_bias)."""
+    """Launch backward stage 2. ``x``: the KDAInputs (contiguous); ``p``: the forward's stage-1
+    output. Returns (dq, dk per value head before l2norm [B, T, HV, K] float32, for ``bwd_qk``;
+    dv, dg, dbeta, dA_log, ddt_bias)."""
     s, C = opts.shape, opts.chunk_size
     B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
     dev, NT = x.q.device, p.NT_total
@@ -338,7 +340,6 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
     s_dgam = new_empty(NT, HV, K, **f32)
     s_yb = new_empty(NT, HV, C // 16, K, **f32)
     s_B = new_empty(NT, HV, C // 16, C // 16, K, **f32)
-    dqh, dkh = (new_empty(B, T, HV, K, **f32) for _ in range(2))
     dv = new_empty(B, T, HV, V, dtype=x.v.dtype, device=dev)
     dg = new_empty(B, T, HV, K, dtype=x.g.dtype, device=dev)
     dbeta = new_empty(*x.beta.shape, dtype=x.beta.dtype, device=dev)
@@ -351,7 +352,7 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
             x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias,
             p.w, p.u, vn, h, dhs, do, dvn, p.gc, p.ga, p.ls, p.xs, p.rs,
             s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, s_yb, s_B,
-            dqh, dkh, dv, dg, dbeta, dA_part, dbias_part,
+            dv, dg, dbeta, dA_part, dbias_part,
             cu_seqlens, p.chunk_indices, opts.scale, opts.lower_bound if opts.lower_bound is not None else 0.0, T,
             H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, BS=min(SLICE, BK, BV), GATE=_gate(opts),
             HAS_A=x.A_log is not None, HAS_BIAS=x.dt_bias is not None, SAFE=opts.safe_gate,
@@ -361,11 +362,9 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
     elif x.dt_bias is not None or x.A_log is not None:  # no tokens: zero parameter gradients
         dA_part = torch.zeros(1, HV, **f32) if x.A_log is not None else None
         dbias_part = torch.zeros(1, HV, K, **f32) if x.dt_bias is not None else None
-    dq = bwd_qk(x.q, dqh, opts.qk_l2norm)
-    dk = bwd_qk(x.k, dkh, opts.qk_l2norm)
     dA_log = dA_part.sum(0).to(x.A_log.dtype) if x.A_log is not None else None
     ddt_bias = dbias_part.sum(0).view(-1).to(x.dt_bias.dtype) if x.dt_bias is not None else None
-    return dq, dk, dv, dg, dbeta, dA_log, ddt_bias
+    return s_dqg, s_dkd, dv, dg, dbeta, dA_log, ddt_bias
 
 
 def _gate(opts) -> int:

@@ -2,6 +2,12 @@
 
 By default the backward recomputes stage 1 and the scan (cheap next to the backward itself);
 ``disable_recompute=True`` keeps them from the forward instead, at the cost of their memory.
+
+Peak memory of the backward, per token and value head, K = V = 128, C = 64, bf16 inputs (bytes):
+stage 1's w, u (512), gc, ga (1024), Akk, X (512); the scan's h (512) and v' (256); dH and dv'
+(1536); the chunk kernel's dqg, dkd, dw (1536), dAqk, dAkk (512) and dv, dg (512): 6912 B, i.e.
+3.4 GiB for B1 T8192 H64. qg, kd, Aqk are freed before the chunk kernel; dq and dk (before
+l2norm) reuse the buffers of dqg and dkd.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...options import KDAInputs, KDAOptions
-from .bwd_chunk import bwd_chunk
+from .bwd_chunk import bwd_chunk, bwd_qk
 from .bwd_scan import bwd_scan
 from .common import dot_config
 from .prepare import Prepared, fwd_prepare
@@ -54,7 +60,10 @@ class ChunkKDAFunction(torch.autograd.Function):
         dht = _contig(dht) if opts.output_final_state else None
         dhs, dvn, dh0 = bwd_scan(opts, p.qg, p.w, p.kd, p.Aqk, p.gl, do, dht, cu_seqlens, p.chunk_offsets, p.NT_total,
                                  h0 is not None and ctx.needs_input_grad[9], DT, PREC, EMU)
-        dq, dk, dv, dg, dbeta, dA_log, ddt_bias = bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens)
+        p = p._replace(qg=None, kd=None, Aqk=None)  # read by the scans only: freed before the largest stage
+        dqh, dkh, dv, dg, dbeta, dA_log, ddt_bias = bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens)
+        del p, h, vn, dhs, dvn, kept
+        dq, dk = bwd_qk(q, dqh, opts.qk_l2norm), bwd_qk(k, dkh, opts.qk_l2norm)
         if dh0 is not None:
             dh0 = dh0.to(h0.dtype)
         return None, None, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
