@@ -16,26 +16,16 @@ import torch
 from ... import platform
 from ...options import KDAInputs, KDAOptions
 from ..registry import Backend, forced_backend
-from .common import dot_config
-from .function import chunk_kda_autograd
-from .prepare import fwd_prepare
+from .function import chunk_kda_autograd, contiguous_inputs, forward_stages
 from .recurrent import recurrent_forward
 from . import gate as gate_kernels
-from .scan import fwd_scan
 
 MAX_DIM = 256
 
 
-def _contig(t):
-    return t if t is None or t.is_contiguous() else t.contiguous()
-
-
 def chunk_forward(opts: KDAOptions, x: KDAInputs):
     """(o, final_state, h) through the two forward stages, without gradients."""
-    q, k, v, g, beta = (_contig(t) for t in (x.q, x.k, x.v, x.g, x.beta))
-    A_log, dt_bias, h0 = _contig(x.A_log), _contig(x.dt_bias), _contig(x.initial_state)
-    p = fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, x.cu_seqlens, x.cu_seqlens_cpu)
-    o, ht, h, _ = fwd_scan(opts, p, h0, x.cu_seqlens, v.dtype, *dot_config(q.dtype))
+    _, o, ht, h, _ = forward_stages(opts, contiguous_inputs(x))
     return o, ht, h
 
 

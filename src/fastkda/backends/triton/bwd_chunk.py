@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import chunk_location, gate_backward, pow2, row_of
+from .common import chunk_location, gate_backward, gate_code, pow2, row_of
+from .scan import _state_ptrs
 from .prepare import SLICE, _beta, _blk, _bsums, _c, _put, _tile, _x
 
 BWD_CHUNK_WARPS = 8  # 4 spill registers at K = V = 128
@@ -47,7 +48,8 @@ def _xcol(xs, r, C: tl.constexpr, o_c, o_i):
 @triton.jit
 def _state(x, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
     """[BK, BS] tile of a [K, V] state, as float32."""
-    return tl.load(x + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
+    p, m = _state_ptrs(x, o_k, o_v, K, V, False)
+    return tl.load(p, mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -354,7 +356,7 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
             s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, s_yb, s_B,
             dv, dg, dbeta, dA_part, dbias_part,
             cu_seqlens, p.chunk_indices, opts.scale, opts.lower_bound if opts.lower_bound is not None else 0.0, T,
-            H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, BS=min(SLICE, BK, BV), GATE=_gate(opts),
+            H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, BS=min(SLICE, BK, BV), GATE=gate_code(opts.gate),
             HAS_A=x.A_log is not None, HAS_BIAS=x.dt_bias is not None, SAFE=opts.safe_gate,
             SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, IS_VARLEN=cu_seqlens is not None, PREC=PREC,
             num_warps=BWD_CHUNK_WARPS, num_stages=1,
@@ -366,8 +368,3 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
     ddt_bias = dbias_part.sum(0).view(-1).to(x.dt_bias.dtype) if x.dt_bias is not None else None
     return s_dqg, s_dkd, dv, dg, dbeta, dA_log, ddt_bias
 
-
-def _gate(opts) -> int:
-    from .common import gate_code
-
-    return gate_code(opts.gate)

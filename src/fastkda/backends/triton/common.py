@@ -113,6 +113,11 @@ def row_of(x, o_r, r):
     return tl.sum(tl.where(o_r[:, None] == r, x, 0.0), 0)
 
 
+def contiguous(t):
+    """t, made contiguous if it is not (None stays None)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def gate_code(gate) -> int:
     from ...options import GateMode
 

@@ -17,24 +17,32 @@ import torch
 from ...options import KDAInputs, KDAOptions
 from .bwd_chunk import bwd_chunk, bwd_qk
 from .bwd_scan import bwd_scan
-from .common import dot_config
+from .common import contiguous, dot_config
 from .prepare import Prepared, fwd_prepare
 from .scan import fwd_scan
 
 
-def _contig(t):
-    return t if t is None or t.is_contiguous() else t.contiguous()
+def contiguous_inputs(x: KDAInputs) -> KDAInputs:
+    return x._replace(**{n: contiguous(getattr(x, n)) for n in
+                         ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")})
+
+
+def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: bool = False):
+    """Stage 1 and the scan on contiguous inputs: (stage-1 output, o, final_state, h, v'); see
+    ``fwd_scan`` for ``outputs`` and ``keep``."""
+    p = fwd_prepare(opts, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, x.cu_seqlens_cpu)
+    o, ht, h, vn = fwd_scan(opts, p, x.initial_state, x.cu_seqlens, x.v.dtype, *dot_config(x.q.dtype),
+                            outputs=outputs, keep=keep)
+    return p, o, ht, h, vn
 
 
 class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, opts: KDAOptions, x: KDAInputs, q, k, v, g, beta, A_log, dt_bias, initial_state):
         # the tensors come again as arguments so that autograd sees them; x carries the rest
-        x = x._replace(q=_contig(q), k=_contig(k), v=_contig(v), g=_contig(g), beta=_contig(beta),
-                       A_log=_contig(A_log), dt_bias=_contig(dt_bias), initial_state=_contig(initial_state))
-        cfg = dot_config(x.q.dtype)
-        p = fwd_prepare(opts, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, x.cu_seqlens_cpu)
-        o, ht, h, vn = fwd_scan(opts, p, x.initial_state, x.cu_seqlens, x.v.dtype, *cfg, keep=opts.disable_recompute)
+        x = contiguous_inputs(x._replace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+                                         initial_state=initial_state))
+        p, o, ht, h, vn = forward_stages(opts, x, keep=opts.disable_recompute)
         kept = (*p[:11], h, vn) if opts.disable_recompute else ()
         ctx.save_for_backward(x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.initial_state, x.cu_seqlens, *kept)
         # the tensors live in saved_tensors only (a tensor of the graph held on ctx would be a cycle)
@@ -54,10 +62,9 @@ class ChunkKDAFunction(torch.autograd.Function):
             p = Prepared(*kept[:11], *ctx.tables)
             h, vn = kept[11:]
         else:
-            p = fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, x.cu_seqlens_cpu)
-            _, _, h, vn = fwd_scan(opts, p, h0, cu_seqlens, v.dtype, DT, PREC, EMU, outputs=False, keep=True)
-        do = _contig(do)
-        dht = _contig(dht) if opts.output_final_state else None
+            p, _, _, h, vn = forward_stages(opts, x, outputs=False, keep=True)
+        do = contiguous(do)
+        dht = contiguous(dht) if opts.output_final_state else None
         dhs, dvn, dh0 = bwd_scan(opts, p.qg, p.w, p.kd, p.Aqk, p.gl, do, dht, cu_seqlens, p.chunk_offsets, p.NT_total,
                                  h0 is not None and ctx.needs_input_grad[9], DT, PREC, EMU)
         p = p._replace(qg=None, kd=None, Aqk=None)  # read by the scans only: freed before the largest stage

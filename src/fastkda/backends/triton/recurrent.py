@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import activate_gate, gate_code, pow2
+from .common import activate_gate, contiguous, gate_code, pow2
 
 REC_BV = 32
 REC_WARPS = 4
@@ -148,7 +148,7 @@ def describe_error(code: int, num_slots: int, cols: int) -> str:
 def recurrent_forward(opts, x):
     s = opts.shape
     B, T, H, HV, K, V, N = s.B, s.T, s.H, s.HV, s.K, s.V, s.N
-    q, k, v, g, beta = (t if t.is_contiguous() else t.contiguous() for t in (x.q, x.k, x.v, x.g, x.beta))
+    q, k, v, g, beta = (contiguous(t) for t in (x.q, x.k, x.v, x.g, x.beta))
     dev = q.device
     h0 = x.initial_state
     if h0 is not None and not h0.is_contiguous():
