@@ -128,8 +128,8 @@ def bench_forward(cases, with_error=True):
 
 
 def breakdown(name="B1 T8192 H64"):
-    """Times of the two forward stages of fastkda's Triton backend, separately, for a few launch
-    configurations."""
+    """Times of the two forward stages of fastkda's Triton backend, separately; the scan for a few
+    launch configurations (tools/sweep_launch.py sweeps those of stage 1)."""
     import triton.testing as tt
 
     from fastkda.backends.triton import common, prepare, scan
@@ -144,15 +144,10 @@ def breakdown(name="B1 T8192 H64"):
     with torch.inference_mode():
         opts, inp = chunk_options(*x.values(), **call)
         args = (opts, inp.q, inp.k, inp.v, inp.g, inp.beta, inp.A_log, inp.dt_bias, None, None)
-        defaults = prepare.PREPARE_WIDE, prepare.PREPARE_WARPS, prepare.PREPARE_WIDE_WARPS
-        for wide, warps in ((False, 2), (False, 4), (False, 8), (True, 4), (True, 8)):
-            prepare.PREPARE_WIDE, prepare.PREPARE_WARPS, prepare.PREPARE_WIDE_WARPS = wide, warps, warps
-            out = prepare.fwd_prepare(*args)
-            ms = tt.do_bench(lambda: prepare.fwd_prepare(*args), warmup=25, rep=100, return_mode="median")
-            rows.append({"stage": "prepare", "wide": wide, "warps": warps, "ms": ms})
-            print(f"{name}: prepare wide={wide} warps={warps}: {ms:.3f} ms", flush=True)
-        prepare.PREPARE_WIDE, prepare.PREPARE_WARPS, prepare.PREPARE_WIDE_WARPS = defaults
         out = prepare.fwd_prepare(*args)
+        ms = tt.do_bench(lambda: prepare.fwd_prepare(*args), warmup=25, rep=100, return_mode="median")
+        rows.append({"stage": "prepare", "ms": ms})
+        print(f"{name}: prepare (4 launches): {ms:.3f} ms", flush=True)
         sargs = (opts, out, None, None, inp.v.dtype, *common.dot_config(inp.q.dtype))
         for bv, warps, stages in ((64, 8, 2), (64, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 3), (128, 8, 2)):
             scan.SCAN_BV, scan.SCAN_WARPS, scan.SCAN_STAGES = bv, warps, stages
@@ -215,17 +210,54 @@ def bench_backward(cases):
 
 
 DECODE = [(n, h, 32) for h in (32, 16) for n in (1, 16, 64, 256, 512)]
+DECODE_LAUNCH = [(32, 4), (32, 2), (64, 4), (64, 8), (16, 2), (128, 8)]  # (REC_BV, REC_WARPS), N=256 H=32
+
+
+def _graph_ms(call):
+    """Median time of ``call`` replayed from a CUDA graph (as serving engines run decoding), or None
+    when it cannot be captured."""
+    import triton.testing as tt
+
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                call()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        return tt.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    except Exception as e:  # report, do not hide
+        print(f"graph capture failed: {type(e).__name__}: {e}")
+        return None
+
+
+def _decode_inputs(N, H, HV, K=128):
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    q, k = (torch.randn(N, 1, H, K, device="cuda", dtype=dt) for _ in range(2))
+    v = torch.randn(N, 1, HV, K, device="cuda", dtype=dt)
+    g = torch.randn(N, 1, HV, K, device="cuda", dtype=dt)
+    beta = torch.randn(N, 1, HV, device="cuda", dtype=dt)
+    kw = dict(A_log=torch.rand(HV, device="cuda"), dt_bias=torch.randn(HV * K, device="cuda"),
+              use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    pool = torch.randn(2 * N, HV, K, K, device="cuda")
+    slots = torch.randperm(2 * N, device="cuda")[:N]
+    return (q, k, v, g, beta), kw, pool, slots
 
 
 def bench_decode(cases):
     """One token for each of N sequences on a float32 pool: fastkda in place on the pool slots,
-    fla-core from and to per-sequence states (the same bytes: read and write every state)."""
+    fla-core from and to per-sequence states (the same bytes: read and write every state). Timed
+    eagerly and as CUDA-graph replays."""
     import triton.testing as tt
 
-    impls = {}
     import fastkda
+    from fastkda.backends.triton import recurrent
 
-    impls["fastkda"] = fastkda.fused_recurrent_kda
+    impls = {"fastkda": fastkda.fused_recurrent_kda}
     try:
         from fla.ops.kda import fused_recurrent_kda as fla_rec
 
@@ -234,31 +266,36 @@ def bench_decode(cases):
         print(f"fla-core not importable: {e}")
     rows, K = [], 128
     for N, H, HV in cases:
-        torch.manual_seed(0)
-        dt = torch.bfloat16
-        q, k = (torch.randn(N, 1, H, K, device="cuda", dtype=dt) for _ in range(2))
-        v = torch.randn(N, 1, HV, K, device="cuda", dtype=dt)
-        g = torch.randn(N, 1, HV, K, device="cuda", dtype=dt)
-        beta = torch.randn(N, 1, HV, device="cuda", dtype=dt)
-        kw = dict(A_log=torch.rand(HV, device="cuda"), dt_bias=torch.randn(HV * K, device="cuda"),
-                  use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-        pool = torch.randn(2 * N, HV, K, K, device="cuda")
-        slots = torch.randperm(2 * N, device="cuda")[:N]
+        x, kw, pool, slots = _decode_inputs(N, H, HV, K)
         h0 = pool[:N].clone()
         row = {"N": N, "H": H, "HV": HV}
         state_bytes = 2 * N * HV * K * K * 4  # read + write every state
         for lib, fn in impls.items():
             if lib == "fastkda":
-                call = lambda: fn(q, k, v, g, beta, initial_state=pool, ssm_state_indices=slots, inplace_final_state=True, **kw)  # noqa: E731
+                call = lambda: fn(*x, initial_state=pool, ssm_state_indices=slots, inplace_final_state=True, **kw)  # noqa: E731
             else:
-                call = lambda: fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)  # noqa: E731
+                call = lambda: fn(*x, initial_state=h0, output_final_state=True, **kw)  # noqa: E731
             with torch.inference_mode():
                 call()
                 ms = tt.do_bench(call, warmup=25, rep=200, return_mode="median")
-            row[lib] = {"ms": ms, "tbps": state_bytes / ms / 1e9}
-            print(f"decode N={N:4d} H={H} HV={HV} {lib:8s} {ms:.4f} ms  {state_bytes / ms / 1e9:.2f} TB/s", flush=True)
+                ms_g = _graph_ms(call)
+            row[lib] = {"ms": ms, "tbps": state_bytes / ms / 1e9, "graph_ms": ms_g,
+                        "graph_tbps": state_bytes / ms_g / 1e9 if ms_g else None}
+            print(f"decode N={N:4d} H={H} HV={HV} {lib:8s} eager {ms:.4f} ms  graph {ms_g or float('nan'):.4f} ms  "
+                  f"{state_bytes / (ms_g or ms) / 1e9:.2f} TB/s", flush=True)
         rows.append(row)
-    return rows
+    sweep = []
+    x, kw, pool, slots = _decode_inputs(256, 32, 32, K)
+    default = recurrent.REC_BV, recurrent.REC_WARPS
+    for bv, warps in DECODE_LAUNCH:
+        recurrent.REC_BV, recurrent.REC_WARPS = bv, warps
+        with torch.inference_mode():
+            ms_g = _graph_ms(lambda: fastkda.fused_recurrent_kda(*x, initial_state=pool, ssm_state_indices=slots,
+                                                                 inplace_final_state=True, **kw))
+        sweep.append({"BV": bv, "warps": warps, "graph_ms": ms_g})
+        print(f"decode N=256 H=32 BV={bv} warps={warps}: graph {ms_g or float('nan'):.4f} ms", flush=True)
+    recurrent.REC_BV, recurrent.REC_WARPS = default
+    return {"rows": rows, "launch_sweep": sweep}
 
 
 def run(args):
@@ -276,16 +313,16 @@ def run(args):
         res["fla_version"] = None
     res["triton"] = triton.__version__
     print(f"copy bandwidth {res['copy_tbps']:.2f} TB/s")
-    if "stages" in args.suite:
-        res["suites"]["forward_stages"] = breakdown()
-    if "forward" in args.suite:
-        res["suites"]["forward"] = bench_forward(FORWARD, with_error=not args.no_error)
-    if "backward" in args.suite:
-        res["suites"]["backward"] = bench_backward(BACKWARD)
-    if "decode" in args.suite:
-        res["suites"]["decode"] = bench_decode(DECODE)
-    with open(args.json, "w") as f:
-        json.dump(res, f, indent=1)
+    pick = (lambda cases: [c for c in cases if any(w in c[0] for w in args.cases)]) if args.cases else (lambda c: c)
+    suites = {"stages": ("forward_stages", breakdown),
+              "forward": ("forward", lambda: bench_forward(pick(FORWARD), with_error=not args.no_error)),
+              "backward": ("backward", lambda: bench_backward(pick(BACKWARD))),
+              "decode": ("decode", lambda: bench_decode(DECODE))}
+    for name in args.suite.split(","):  # in the order asked; the JSON is rewritten after each suite
+        key, fn = suites[name]
+        res["suites"][key] = fn()
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,6 +401,8 @@ def main():
     p.add_argument("--json", default="bench.json")
     p.add_argument("--render", default=None, help="write BENCHMARKS.md from a JSON result")
     p.add_argument("--no-error", action="store_true")
+    p.add_argument("--cases", default=None, type=lambda x: x.split(","),
+                   help="forward/backward cases whose name contains one of these comma-separated words")
     args = p.parse_args()
     if args.render:
         render(args.render)

@@ -83,16 +83,6 @@ def test_backward_widest_heads(backend, rng):
     check_grads(got, want, x, tol_for(case.dtype, backend))
 
 
-@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
-def test_triton_backward_wide_prepare(rng, monkeypatch):
-    """The backward reads the scratches of the forward's stage 1: also in its wide form."""
-    from fastkda.backends.triton import prepare
-
-    monkeypatch.setattr(prepare, "PREPARE_WIDE", True)
-    x, got, want = grads("triton", grow(BWD_AXES["varlen"], GPU), rng)
-    check_grads(got, want, x, tol_for(x["q"].dtype, "triton"))
-
-
 @pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
 def test_backward_deterministic(backend, rng):
     """Two runs of the same backward give bit-identical gradients (no atomics whose order varies)."""

@@ -111,17 +111,3 @@ def test_forward_random_combinations(backend, gate, varlen, gva, beta_mode, l2, 
     o_ref, s_ref = reference(x)
     check("o", o, o_ref, tol_for(case.dtype, backend))
     check("final_state", s, s_ref, tol_for(case.dtype, backend))
-
-
-@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
-@pytest.mark.parametrize("axis", ["dense", "varlen", "chunk32_varlen_safe", "gva", "k64_v16", "extreme_softplus", "bf16"])
-def test_triton_wide_prepare(axis, rng, monkeypatch):
-    """The wide form of the forward's stage 1 (prepare.PREPARE_WIDE) on the same axes."""
-    from fastkda.backends.triton import prepare
-
-    monkeypatch.setattr(prepare, "PREPARE_WIDE", True)
-    case = grow(AXES[axis], GPU)
-    x, o, s, _ = run_forward("triton", case, rng)
-    o_ref, s_ref = reference(x)
-    check("o", o, o_ref, tol_for(case.dtype, "triton"))
-    check("final_state", s, s_ref, tol_for(case.dtype, "triton"))

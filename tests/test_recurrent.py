@@ -256,3 +256,21 @@ def test_cuda_graph_decode(backend, rng):
     for a, b in zip(outs, eager):
         assert torch.equal(a, b)
     assert torch.equal(graph_pool, eager_pool)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+def test_index_check_names_first_bad_sequence(rng, monkeypatch):
+    """The index check walks the sequences in steps; the error names the first bad one, whichever
+    step it falls in, and the pool stays bit-identical."""
+    from fastkda.backends.triton import recurrent
+
+    monkeypatch.setattr(recurrent, "CHECK_BN", 4)
+    case = Case(B=11, T=1, H=1, HV=1, K=16, V=16, initial_state=False, final_state=False)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    pool = torch.randn(12, 1, 16, 16, device=DEVICE)
+    snap = pool.clone()
+    idx = torch.arange(11, device=DEVICE)
+    idx[5], idx[9] = 12, -2  # sequence 5 (second step) is the first bad one
+    with use_backend("triton"), pytest.raises(ValueError, match=r"sequence 5 holds"):
+        fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
+    assert torch.equal(pool, snap)

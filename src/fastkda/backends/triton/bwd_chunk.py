@@ -26,11 +26,12 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import chunk_location, gate_backward, gate_code, pow2, row_of
+from .common import gate_backward, gate_code, pow2, row_of
 from .scan import _state_ptrs
-from .prepare import SLICE, _beta, _blk, _bsums, _c, _put, _tile, _x
+from .prepare import SLICE, _beta, _blk, _bsums, _c, _program, _put, _tile, _x, launch_options
 
-BWD_CHUNK_WARPS = 8  # 4 spill registers at K = V = 128
+# (warps, register cap or None) of each launch for K, V <= 128 (prepare.launch_options)
+LAUNCH = {"v": (2, None), "k": (2, 128), "gate": (2, 128)}  # tools/sweep_launch.py
 
 
 @triton.jit
@@ -58,81 +59,83 @@ def _mm(a, b, PREC: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def kda_bwd_chunk_kernel(
-    q, k, v, g, beta, A_log, dt_bias,
-    w, u, vn, h, dhs, do, dvn, gc, ga, ls, xs, rs,
-    s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, s_yb, s_B,
-    dv, dg, dbeta, dA_part, dbias_part,
-    cu_seqlens, chunk_indices, scale, lower_bound, T,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SAFE: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+def kda_bwd_v_kernel(
+    v, beta, u, vn, h, dhs, do, dvn, xs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, dv,
+    cu_seqlens, chunk_indices, scale, T,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BS: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_c, i_hv = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    i_h = i_hv // (HV // H)
-    i_n, i_t, bos, T_seq = chunk_location(i_c, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
-    t0 = i_t * C
+    """Phase A, row block r = program_id(2): the contractions over V."""
+    _, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
     o_i = tl.arange(0, 16)
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BK)
-    NC: tl.constexpr = C // 16
-
-    i_p = i_c * HV + i_hv  # this program's slot in the per-chunk buffers
+    r = tl.program_id(2)
     h += i_p * K * V
     dhs += i_p * K * V
-    ls += i_p * C * C
     xs += i_p * C * C
-    rs += i_p * 2 * C
     s_dA += i_p * C * C
     s_dL += i_p * C * C
     s_db += i_p * C
     s_dgam += i_p * K
-    s_yb += i_p * NC * K
-    s_B += i_p * NC * NC * K
-
-    # --- phase A: contractions over V ---------------------------------------------------------------
-    for r in range(NC):
-        tr = t0 + 16 * r
-        b_b = _beta(beta, bos, tr, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)  # [16]
-        b_Xc = _xcol(xs, r, C, o_c, o_i)  # [C, 16]
-        b_dqg = tl.zeros([16, BK], tl.float32)
-        b_dkd = tl.zeros([16, BK], tl.float32)
-        b_dw = tl.zeros([16, BK], tl.float32)
-        b_dA = tl.zeros([16, C], tl.float32)
-        b_dL = tl.zeros([16, C], tl.float32)
-        b_db = tl.zeros([16], tl.float32)
-        for s in range(0, BV, BS):
-            o_v = s + tl.arange(0, BS)
-            b_S = _state(h, o_k, o_v, K, V)  # [BK, BS]
-            b_dH = _state(dhs, o_k, o_v, K, V)
-            b_do = _tile(do, bos, tr, T_seq, i_hv, HV, V, o_i, o_v)  # [16, BS]
-            b_dvn = _tile(dvn, bos, tr, T_seq, i_hv, HV, V, o_i, o_v)
-            b_vn = _tile(vn, bos, tr, T_seq, i_hv, HV, V, o_i, o_v)
-            b_dqg += _mm(b_do, tl.trans(b_S), PREC)
-            b_dkd += _mm(b_vn, tl.trans(b_dH), PREC)
-            b_dw -= _mm(b_dvn, tl.trans(b_S), PREC)
-            b_dA += _mm(b_do, tl.trans(_tile(vn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)), PREC)  # [16, C]
-            b_a = _mm(tl.trans(b_Xc), _tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), PREC)  # [16, BS]
-            _put(dv, b_b[:, None] * b_a, bos, tr, T_seq, i_hv, HV, V, o_i, o_v)
-            b_db += tl.sum(_tile(v, bos, tr, T_seq, i_hv, HV, V, o_i, o_v) * b_a, 1)
-            b_dL -= _mm(b_a, tl.trans(_tile(u, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)), PREC)
-        _put(s_dqg, b_dqg, bos, tr, T_seq, i_hv, HV, K, o_i, o_k)
-        _put(s_dkd, b_dkd, bos, tr, T_seq, i_hv, HV, K, o_i, o_k)
-        _put(s_dw, b_dw, bos, tr, T_seq, i_hv, HV, K, o_i, o_k)
-        # Aqk is stored times scale: its gradient goes to q and k times scale
-        tl.store(s_dA + (16 * r + o_i)[:, None] * C + o_c[None, :],
-                 tl.where((16 * r + o_i)[:, None] >= o_c[None, :], b_dA * scale, 0.0))
-        tl.store(s_dL + (16 * r + o_i)[:, None] * C + o_c[None, :], b_dL)
-        tl.store(s_db + 16 * r + o_i, b_db)
-    b_dgam = tl.zeros([BK], tl.float32)  # gradient of the chunk decay gl
+    tr = t0 + 16 * r
+    b_b = _beta(beta, bos, tr, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)  # [16]
+    b_Xc = _xcol(xs, r, C, o_c, o_i)  # [C, 16]
+    b_dqg = tl.zeros([16, BK], tl.float32)
+    b_dkd = tl.zeros([16, BK], tl.float32)
+    b_dw = tl.zeros([16, BK], tl.float32)
+    b_dA = tl.zeros([16, C], tl.float32)
+    b_dL = tl.zeros([16, C], tl.float32)
+    b_db = tl.zeros([16], tl.float32)
     for s in range(0, BV, BS):
         o_v = s + tl.arange(0, BS)
-        b_dgam += tl.sum(_state(h, o_k, o_v, K, V) * _state(dhs, o_k, o_v, K, V), 1)
-    tl.store(s_dgam + o_k, b_dgam, mask=o_k < K)
-    tl.debug_barrier()
+        b_S = _state(h, o_k, o_v, K, V)  # [BK, BS]
+        b_dH = _state(dhs, o_k, o_v, K, V)
+        b_do = _tile(do, bos, tr, T_seq, i_hv, HV, V, o_i, o_v)  # [16, BS]
+        b_dvn = _tile(dvn, bos, tr, T_seq, i_hv, HV, V, o_i, o_v)
+        b_vn = _tile(vn, bos, tr, T_seq, i_hv, HV, V, o_i, o_v)
+        b_dqg += _mm(b_do, tl.trans(b_S), PREC)
+        b_dkd += _mm(b_vn, tl.trans(b_dH), PREC)
+        b_dw -= _mm(b_dvn, tl.trans(b_S), PREC)
+        b_dA += _mm(b_do, tl.trans(_tile(vn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)), PREC)  # [16, C]
+        b_a = _mm(tl.trans(b_Xc), _tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), PREC)  # [16, BS]
+        _put(dv, b_b[:, None] * b_a, bos, tr, T_seq, i_hv, HV, V, o_i, o_v)
+        b_db += tl.sum(_tile(v, bos, tr, T_seq, i_hv, HV, V, o_i, o_v) * b_a, 1)
+        b_dL -= _mm(b_a, tl.trans(_tile(u, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)), PREC)
+    _put(s_dqg, b_dqg, bos, tr, T_seq, i_hv, HV, K, o_i, o_k)
+    _put(s_dkd, b_dkd, bos, tr, T_seq, i_hv, HV, K, o_i, o_k)
+    _put(s_dw, b_dw, bos, tr, T_seq, i_hv, HV, K, o_i, o_k)
+    # Aqk is stored times scale: its gradient goes to q and k times scale
+    tl.store(s_dA + (16 * r + o_i)[:, None] * C + o_c[None, :],
+             tl.where((16 * r + o_i)[:, None] >= o_c[None, :], b_dA * scale, 0.0))
+    tl.store(s_dL + (16 * r + o_i)[:, None] * C + o_c[None, :], b_dL)
+    tl.store(s_db + 16 * r + o_i, b_db)
+    if r == 0:  # the gradient of the chunk decay gl
+        b_dgam = tl.zeros([BK], tl.float32)
+        for s in range(0, BV, BS):
+            o_v = s + tl.arange(0, BS)
+            b_dgam += tl.sum(_state(h, o_k, o_v, K, V) * _state(dhs, o_k, o_v, K, V), 1)
+        tl.store(s_dgam + o_k, b_dgam, mask=o_k < K)
 
-    # --- phase B: contractions over K; dw is overwritten with dkg row block by row block ---------
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_k_kernel(
+    k, beta, w, gc, ls, xs, rs, s_dw, s_dL, s_db, dbeta,
+    cu_seqlens, chunk_indices, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
+    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Phase B: the contractions over K, row block by row block (dw is overwritten with dkg)."""
+    _, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
+    i_h = i_hv // (HV // H)
+    o_i = tl.arange(0, 16)
+    o_c = tl.arange(0, C)
+    NC: tl.constexpr = C // 16
+    ls += i_p * C * C
+    xs += i_p * C * C
+    rs += i_p * 2 * C
+    s_dL += i_p * C * C
+    s_db += i_p * C
     for r in range(NC):
         tr = t0 + 16 * r
         b_b = _beta(beta, bos, tr, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)
@@ -165,135 +168,155 @@ def kda_bwd_chunk_kernel(
             b_x = tl.load(p_b, mask=m_t, other=0.0).to(tl.float32)
             b_db = b_db * BETA_SCALE * tl.sigmoid(b_x) * tl.sigmoid(-b_x)
         tl.store(dbeta + (bos + o_t).to(tl.int64) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
-    tl.debug_barrier()
 
-    # --- phase C: gated products, the gate gradient -----------------------------------------------
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_gate_kernel(
+    q, k, g, A_log, dt_bias, gc, ga, rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam, s_yb, s_B,
+    dg, dA_part, dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr,
+    HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Phase C, feature slice program_id(2): the gated products and the gate gradient; dq and dk of
+    this value head (before l2norm) replace dqg and dkd."""
+    _, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
+    i_h = i_hv // (HV // H)
+    o_i = tl.arange(0, 16)
+    NC: tl.constexpr = C // 16
+    i_s = tl.program_id(2)
+    rs += i_p * 2 * C
+    s_dA += i_p * C * C
+    s_dL += i_p * C * C
+    s_dgam += i_p * K
+    s_yb += i_p * NC * K
+    s_B += i_p * NC * NC * K
     b_dA_sum = tl.zeros([BS], tl.float32)
-    for s in range(0, BK, BS):
-        o_d = s + tl.arange(0, BS)
-        m_d = o_d < K
-        # The chunk decay e^G_last (in gl and every kd = k e^(G_last - G_i)) reaches every token:
-        # with y_i = kd_i * dkd_i, dg_t = sum_{i >= t} dG'_i + sum_{i < t} y_i + gl * dgam, where dG'
-        # leaves the kd terms out. Summing y as a prefix (never as total minus suffix) keeps a
-        # large y_i from cancelling against itself. Block sums of y go to the scratch s_yb.
-        for r in range(NC):
-            tr = t0 + 16 * r
-            b_k = _tile(k, bos, tr, T_seq, i_h, H, K, o_i, o_d) * tl.load(rs + C + 16 * r + o_i)[:, None]
-            b_eD = tl.exp2(_x(ga, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
-                           + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, r + 1, NC)[None, :])
-            b_y = b_k * (_tile(s_dkd, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) * b_eD)
-            tl.store(s_yb + r * K + o_d, tl.sum(b_y, 0), mask=m_d)
-        tl.debug_barrier()
-        b_carry = tl.exp2(_bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, NC)) * tl.load(s_dgam + o_d, mask=m_d, other=0.0)
-        b_dbias = tl.zeros([BS], tl.float32)
-        for rr in range(NC):
-            r = NC - 1 - rr  # last block first: dg is a reverse cumulative sum
-            tr = t0 + 16 * r
-            b_q = _tile(q, bos, tr, T_seq, i_h, H, K, o_i, o_d) * tl.load(rs + 16 * r + o_i)[:, None]
-            b_k = _tile(k, bos, tr, T_seq, i_h, H, K, o_i, o_d) * tl.load(rs + C + 16 * r + o_i)[:, None]
-            b_c = _c(gc, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
-            b_xr = _x(ga, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)  # gates after each token, to the block end
-            # A pair i > j of Aqk or Akk adds a term x to dG_i and -x to dG_j; in dg_t, the sum of dG over
-            # i >= t, only pairs with i >= t > j are left. They are summed as such (docs/math.md
-            # section 5), so that pairs which cancel exactly never leave rounding noise in dg.
-            b_dgx = tl.zeros([16, BS], tl.float32)  # the surviving pair terms of this block's tokens
-            # diagonal block; the diagonal of Aqk (factor e^0 = 1) reaches dq and dk only
-            b_dAd = _blk(s_dA, 16 * r, 16 * r, C, o_i)
-            b_dAii = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dAd, 0.0), 1)  # [16]
-            b_dAd = tl.where(o_i[:, None] > o_i[None, :], b_dAd, 0.0)
-            b_dKd = _blk(s_dL, 16 * r, 16 * r, C, o_i)
-            b_dq = b_dAii[:, None] * b_k  # through Aqk (rows)
-            b_dkr = tl.zeros([16, BS], tl.float32)  # through Akk (rows)
-            b_dkc = b_dAii[:, None] * b_q  # through Aqk and Akk (columns)
-            if SAFE:  # anchored at the middle token, as in the forward
-                b_cm = row_of(b_c, o_i, 8)
-                b_up = tl.exp2(b_c - b_cm[None, :])
-                b_dn = tl.exp2(b_cm[None, :] - b_c)
-                b_dq += b_up * _mm(b_dAd, b_k * b_dn, PREC)
-                b_dkr += b_up * _mm(b_dKd, b_k * b_dn, PREC)
-                b_dkc += b_dn * (_mm(tl.trans(b_dAd), b_q * b_up, PREC) + _mm(tl.trans(b_dKd), b_k * b_up, PREC))
-            else:
-                b_g = tl.load(ga + (bos + tr + o_i).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :],
-                              mask=((tr + o_i) < T_seq)[:, None] & m_d[None, :], other=0.0)
-            for j in range(15):  # column j: the pair terms of rows i > j, token-parallel
-                if SAFE:
-                    b_e = tl.where(o_i[:, None] > j, b_up * row_of(b_dn, o_i, j)[None, :], 0.0)
-                else:  # unbounded gates: every factor from the gates it spans
-                    b_e = tl.exp2(tl.where(o_i[:, None] > j, tl.cumsum(tl.where(o_i[:, None] > j, b_g, 0.0), 0),
-                                           float("-inf")))  # [16, BS]: e^(G_i - G_j), rows i > j
-                b_kj = row_of(b_k, o_i, j)
-                b_aj = _col_of(b_dAd, o_i, j)
-                b_lj = _col_of(b_dKd, o_i, j)
-                b_T = (b_aj[:, None] * b_q + b_lj[:, None] * b_k) * b_kj[None, :] * b_e  # [16, BS]
-                b_dgx += tl.where(o_i[:, None] > j, tl.cumsum(b_T, 0, reverse=True), 0.0)
-                if not SAFE:
-                    b_dq += b_aj[:, None] * b_kj[None, :] * b_e
-                    b_dkr += b_lj[:, None] * b_kj[None, :] * b_e
-                    b_dkc += tl.where(o_i[:, None] == j, tl.sum((b_aj[:, None] * b_q + b_lj[:, None] * b_k) * b_e, 0)[None, :],
-                                      0.0)
-            # against earlier blocks J: rows anchored at the block start (factors <= 1); the per-pair
-            # sums B_rJ go to the scratch s_B for the earlier blocks' turn
-            b_eR = tl.exp2(b_c)
-            b_row = tl.zeros([16, BS], tl.float32)
+    s = i_s * BS
+    o_d = s + tl.arange(0, BS)
+    m_d = o_d < K
+    # The chunk decay e^G_last (in gl and every kd = k e^(G_last - G_i)) reaches every token:
+    # with y_i = kd_i * dkd_i, dg_t = sum_{i >= t} dG'_i + sum_{i < t} y_i + gl * dgam, where dG'
+    # leaves the kd terms out. Summing y as a prefix (never as total minus suffix) keeps a
+    # large y_i from cancelling against itself. Block sums of y go to the scratch s_yb.
+    for r in range(NC):
+        tr = t0 + 16 * r
+        b_k = _tile(k, bos, tr, T_seq, i_h, H, K, o_i, o_d) * tl.load(rs + C + 16 * r + o_i)[:, None]
+        b_eD = tl.exp2(_x(ga, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+                       + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, r + 1, NC)[None, :])
+        b_y = b_k * (_tile(s_dkd, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) * b_eD)
+        tl.store(s_yb + r * K + o_d, tl.sum(b_y, 0), mask=m_d)
+    tl.debug_barrier()
+    b_carry = tl.exp2(_bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, NC)) * tl.load(s_dgam + o_d, mask=m_d, other=0.0)
+    b_dbias = tl.zeros([BS], tl.float32)
+    for rr in range(NC):
+        r = NC - 1 - rr  # last block first: dg is a reverse cumulative sum
+        tr = t0 + 16 * r
+        b_q = _tile(q, bos, tr, T_seq, i_h, H, K, o_i, o_d) * tl.load(rs + 16 * r + o_i)[:, None]
+        b_k = _tile(k, bos, tr, T_seq, i_h, H, K, o_i, o_d) * tl.load(rs + C + 16 * r + o_i)[:, None]
+        b_c = _c(gc, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+        b_xr = _x(ga, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)  # gates after each token, to the block end
+        # A pair i > j of Aqk or Akk adds a term x to dG_i and -x to dG_j; in dg_t, the sum of dG over
+        # i >= t, only pairs with i >= t > j are left. They are summed as such (docs/math.md
+        # section 5), so that pairs which cancel exactly never leave rounding noise in dg.
+        b_dgx = tl.zeros([16, BS], tl.float32)  # the surviving pair terms of this block's tokens
+        # diagonal block; the diagonal of Aqk (factor e^0 = 1) reaches dq and dk only
+        b_dAd = _blk(s_dA, 16 * r, 16 * r, C, o_i)
+        b_dAii = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dAd, 0.0), 1)  # [16]
+        b_dAd = tl.where(o_i[:, None] > o_i[None, :], b_dAd, 0.0)
+        b_dKd = _blk(s_dL, 16 * r, 16 * r, C, o_i)
+        b_dq = b_dAii[:, None] * b_k  # through Aqk (rows)
+        b_dkr = tl.zeros([16, BS], tl.float32)  # through Akk (rows)
+        b_dkc = b_dAii[:, None] * b_q  # through Aqk and Akk (columns)
+        if SAFE:  # anchored at the middle token, as in the forward
+            b_cm = row_of(b_c, o_i, 8)
+            b_up = tl.exp2(b_c - b_cm[None, :])
+            b_dn = tl.exp2(b_cm[None, :] - b_c)
+            b_dq += b_up * _mm(b_dAd, b_k * b_dn, PREC)
+            b_dkr += b_up * _mm(b_dKd, b_k * b_dn, PREC)
+            b_dkc += b_dn * (_mm(tl.trans(b_dAd), b_q * b_up, PREC) + _mm(tl.trans(b_dKd), b_k * b_up, PREC))
+        else:
+            b_g = tl.load(ga + (bos + tr + o_i).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :],
+                          mask=((tr + o_i) < T_seq)[:, None] & m_d[None, :], other=0.0)
+        for j in range(15):  # column j: the pair terms of rows i > j, token-parallel
+            if SAFE:
+                b_e = tl.where(o_i[:, None] > j, b_up * row_of(b_dn, o_i, j)[None, :], 0.0)
+            else:  # unbounded gates: every factor from the gates it spans
+                b_e = tl.exp2(tl.where(o_i[:, None] > j, tl.cumsum(tl.where(o_i[:, None] > j, b_g, 0.0), 0),
+                                       float("-inf")))  # [16, BS]: e^(G_i - G_j), rows i > j
+            b_kj = row_of(b_k, o_i, j)
+            b_aj = _col_of(b_dAd, o_i, j)
+            b_lj = _col_of(b_dKd, o_i, j)
+            b_T = (b_aj[:, None] * b_q + b_lj[:, None] * b_k) * b_kj[None, :] * b_e  # [16, BS]
+            b_dgx += tl.where(o_i[:, None] > j, tl.cumsum(b_T, 0, reverse=True), 0.0)
+            if not SAFE:
+                b_dq += b_aj[:, None] * b_kj[None, :] * b_e
+                b_dkr += b_lj[:, None] * b_kj[None, :] * b_e
+                b_dkc += tl.where(o_i[:, None] == j, tl.sum((b_aj[:, None] * b_q + b_lj[:, None] * b_k) * b_e, 0)[None, :],
+                                  0.0)
+        # against earlier blocks J: rows anchored at the block start (factors <= 1); the per-pair
+        # sums B_rJ go to the scratch s_B for the earlier blocks' turn
+        b_eR = tl.exp2(b_c)
+        b_row = tl.zeros([16, BS], tl.float32)
+        for j in range(r):
+            b_colf = tl.exp2(_x(ga, bos, t0 + 16 * j, T_seq, i_hv, HV, K, o_i, o_d)
+                             + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, j + 1, r)[None, :])
+            b_kj = _tile(k, bos, t0 + 16 * j, T_seq, i_h, H, K, o_i, o_d) * tl.load(rs + C + 16 * j + o_i)[:, None] * b_colf
+            b_pq = b_eR * _mm(_blk(s_dA, 16 * r, 16 * j, C, o_i), b_kj, PREC)
+            b_pk = b_eR * _mm(_blk(s_dL, 16 * r, 16 * j, C, o_i), b_kj, PREC)
+            b_dq += b_pq
+            b_dkr += b_pk
+            b_pr = b_q * b_pq + b_k * b_pk
+            b_row += b_pr
+            tl.store(s_B + (r * NC + j) * K + o_d, tl.sum(b_pr, 0), mask=m_d)
+        b_dgx += tl.cumsum(b_row, 0, reverse=True)  # i in this block, i >= t; j earlier
+        # as the columns of later blocks I
+        b_col = tl.zeros([16, BS], tl.float32)
+        for i in range(r + 1, NC):
+            ti = t0 + 16 * i
+            b_colf = tl.exp2(b_xr + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, r + 1, i)[None, :])
+            b_eI = tl.exp2(_c(gc, bos, ti, T_seq, i_hv, HV, K, o_i, o_d))
+            b_qi = _tile(q, bos, ti, T_seq, i_h, H, K, o_i, o_d) * tl.load(rs + 16 * i + o_i)[:, None] * b_eI
+            b_ki = _tile(k, bos, ti, T_seq, i_h, H, K, o_i, o_d) * tl.load(rs + C + 16 * i + o_i)[:, None] * b_eI
+            b_col += b_colf * (_mm(tl.trans(_blk(s_dA, 16 * i, 16 * r, C, o_i)), b_qi, PREC)
+                               + _mm(tl.trans(_blk(s_dL, 16 * i, 16 * r, C, o_i)), b_ki, PREC))
+        b_dkc += b_col
+        b_strict = tl.where(o_i[:, None] > o_i[None, :], 1.0, 0.0)  # exclusive prefix sums as a product
+        b_dgx += _mm(b_strict, b_k * b_col, "ieee")  # i later, j in this block, j < t
+        for i in range(r + 1, NC):  # i later, j earlier: the stored per-pair sums
             for j in range(r):
-                b_colf = tl.exp2(_x(ga, bos, t0 + 16 * j, T_seq, i_hv, HV, K, o_i, o_d)
-                                 + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, j + 1, r)[None, :])
-                b_kj = _tile(k, bos, t0 + 16 * j, T_seq, i_h, H, K, o_i, o_d) * tl.load(rs + C + 16 * j + o_i)[:, None] * b_colf
-                b_pq = b_eR * _mm(_blk(s_dA, 16 * r, 16 * j, C, o_i), b_kj, PREC)
-                b_pk = b_eR * _mm(_blk(s_dL, 16 * r, 16 * j, C, o_i), b_kj, PREC)
-                b_dq += b_pq
-                b_dkr += b_pk
-                b_pr = b_q * b_pq + b_k * b_pk
-                b_row += b_pr
-                tl.store(s_B + (r * NC + j) * K + o_d, tl.sum(b_pr, 0), mask=m_d)
-            b_dgx += tl.cumsum(b_row, 0, reverse=True)  # i in this block, i >= t; j earlier
-            # as the columns of later blocks I
-            b_col = tl.zeros([16, BS], tl.float32)
-            for i in range(r + 1, NC):
-                ti = t0 + 16 * i
-                b_colf = tl.exp2(b_xr + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, r + 1, i)[None, :])
-                b_eI = tl.exp2(_c(gc, bos, ti, T_seq, i_hv, HV, K, o_i, o_d))
-                b_qi = _tile(q, bos, ti, T_seq, i_h, H, K, o_i, o_d) * tl.load(rs + 16 * i + o_i)[:, None] * b_eI
-                b_ki = _tile(k, bos, ti, T_seq, i_h, H, K, o_i, o_d) * tl.load(rs + C + 16 * i + o_i)[:, None] * b_eI
-                b_col += b_colf * (_mm(tl.trans(_blk(s_dA, 16 * i, 16 * r, C, o_i)), b_qi, PREC)
-                                   + _mm(tl.trans(_blk(s_dL, 16 * i, 16 * r, C, o_i)), b_ki, PREC))
-            b_dkc += b_col
-            b_strict = tl.where(o_i[:, None] > o_i[None, :], 1.0, 0.0)  # exclusive prefix sums as a product
-            b_dgx += _mm(b_strict, b_k * b_col, "ieee")  # i later, j in this block, j < t
-            for i in range(r + 1, NC):  # i later, j earlier: the stored per-pair sums
-                for j in range(r):
-                    b_dgx += tl.load(s_B + (i * NC + j) * K + o_d, mask=m_d, other=0.0)[None, :]
-            # qg = scale q e^G, kd = k e^(G_last - G), kg = k e^G
-            b_eG = tl.exp2(b_c + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, r)[None, :])
-            b_eD = tl.exp2(b_xr + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, r + 1, NC)[None, :])
-            b_dqg = _tile(s_dqg, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) * (scale * b_eG)
-            b_dkd = _tile(s_dkd, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) * b_eD
-            b_dkg = _tile(s_dw, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) * b_eG
-            # dq and dk of this value head (before l2norm) replace dqg and dkd, read for the last time
-            _put(s_dqg, b_dq + b_dqg, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
-            _put(s_dkd, b_dkr + b_dkc + b_dkd + b_dkg, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
-            b_dG = b_q * b_dqg + b_k * b_dkg  # the single-token terms of dG_i (natural log)
-            b_pre = tl.zeros([BS], tl.float32)  # y summed over the earlier blocks
-            for j in range(r):
-                b_pre += tl.load(s_yb + j * K + o_d, mask=m_d, other=0.0)
-            b_dgr = tl.cumsum(b_dG, 0, reverse=True) + b_carry[None, :] + b_pre[None, :] + b_dgx \
-                + _mm(b_strict, b_k * b_dkd, "ieee")  # exclusive prefix of y
-            b_carry += tl.sum(b_dG, 0)
-            tl.debug_barrier()  # s_B of this block is read by the earlier blocks
-            m = ((tr + o_i) < T_seq)[:, None] & m_d[None, :]
-            if GATE != 0:
-                b_x = _tile(g, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
-                if HAS_BIAS:
-                    b_x += tl.load(dt_bias + i_hv * K + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
-                b_dgr, b_dAt = gate_backward(b_x, b_dgr, A_log, i_hv, lower_bound, GATE, HAS_A)
-                b_dgr = tl.where(m, b_dgr, 0.0)
-                b_dA_sum += tl.sum(tl.where(m, b_dAt, 0.0), 0)
-                b_dbias += tl.sum(b_dgr, 0)
-            _put(dg, b_dgr, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
-        if HAS_BIAS:
-            tl.store(dbias_part + i_p * K + o_d, b_dbias, mask=m_d)
+                b_dgx += tl.load(s_B + (i * NC + j) * K + o_d, mask=m_d, other=0.0)[None, :]
+        # qg = scale q e^G, kd = k e^(G_last - G), kg = k e^G
+        b_eG = tl.exp2(b_c + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, r)[None, :])
+        b_eD = tl.exp2(b_xr + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, r + 1, NC)[None, :])
+        b_dqg = _tile(s_dqg, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) * (scale * b_eG)
+        b_dkd = _tile(s_dkd, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) * b_eD
+        b_dkg = _tile(s_dw, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) * b_eG
+        # dq and dk of this value head (before l2norm) replace dqg and dkd, read for the last time
+        _put(s_dqg, b_dq + b_dqg, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+        _put(s_dkd, b_dkr + b_dkc + b_dkd + b_dkg, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+        b_dG = b_q * b_dqg + b_k * b_dkg  # the single-token terms of dG_i (natural log)
+        b_pre = tl.zeros([BS], tl.float32)  # y summed over the earlier blocks
+        for j in range(r):
+            b_pre += tl.load(s_yb + j * K + o_d, mask=m_d, other=0.0)
+        b_dgr = tl.cumsum(b_dG, 0, reverse=True) + b_carry[None, :] + b_pre[None, :] + b_dgx \
+            + _mm(b_strict, b_k * b_dkd, "ieee")  # exclusive prefix of y
+        b_carry += tl.sum(b_dG, 0)
+        tl.debug_barrier()  # s_B of this block is read by the earlier blocks
+        m = ((tr + o_i) < T_seq)[:, None] & m_d[None, :]
+        if GATE != 0:
+            b_x = _tile(g, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+            if HAS_BIAS:
+                b_x += tl.load(dt_bias + i_hv * K + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+            b_dgr, b_dAt = gate_backward(b_x, b_dgr, A_log, i_hv, lower_bound, GATE, HAS_A)
+            b_dgr = tl.where(m, b_dgr, 0.0)
+            b_dA_sum += tl.sum(tl.where(m, b_dAt, 0.0), 0)
+            b_dbias += tl.sum(b_dgr, 0)
+        _put(dg, b_dgr, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+    if HAS_BIAS:
+        tl.store(dbias_part + i_p * K + o_d, b_dbias, mask=m_d)
     if HAS_A:
-        tl.store(dA_part + i_p, tl.sum(b_dA_sum, 0))
+        tl.store(dA_part + i_p * tl.num_programs(2) + i_s, tl.sum(b_dA_sum, 0))
+
 
 
 @triton.jit
@@ -345,26 +368,32 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
     dv = new_empty(B, T, HV, V, dtype=x.v.dtype, device=dev)
     dg = new_empty(B, T, HV, K, dtype=x.g.dtype, device=dev)
     dbeta = new_empty(*x.beta.shape, dtype=x.beta.dtype, device=dev)
-    dA_part = new_empty(NT, HV, **f32) if x.A_log is not None else None
     dbias_part = new_empty(NT, HV, K, **f32) if x.dt_bias is not None else None
     PREC = "ieee" if x.q.dtype == torch.float32 else "tf32"
     if NT > 0:
         BK, BV = pow2(K), pow2(V)
-        kda_bwd_chunk_kernel[(NT, HV)](
-            x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias,
-            p.w, p.u, vn, h, dhs, do, dvn, p.gc, p.ga, p.ls, p.xs, p.rs,
-            s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, s_yb, s_B,
-            dv, dg, dbeta, dA_part, dbias_part,
-            cu_seqlens, p.chunk_indices, opts.scale, opts.lower_bound if opts.lower_bound is not None else 0.0, T,
-            H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, BS=min(SLICE, BK, BV), GATE=gate_code(opts.gate),
-            HAS_A=x.A_log is not None, HAS_BIAS=x.dt_bias is not None, SAFE=opts.safe_gate,
-            SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, IS_VARLEN=cu_seqlens is not None, PREC=PREC,
-            num_warps=BWD_CHUNK_WARPS, num_stages=1,
-        )
+        BS = min(SLICE, BK, BV)
+        NSK = triton.cdiv(K, BS)
+        where = dict(cu_seqlens=cu_seqlens, chunk_indices=p.chunk_indices, T=T, HV=HV, C=C,
+                     IS_VARLEN=cu_seqlens is not None, PREC=PREC)
+        beta_kw = dict(SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale)
+        kda_bwd_v_kernel[(NT, HV, C // 16)](
+            x.v, x.beta, p.u, vn, h, dhs, do, dvn, p.xs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, dv,
+            scale=opts.scale, K=K, V=V, BK=BK, BV=BV, BS=BS, **beta_kw, **where, **launch_options(LAUNCH, "v", BK, BV))
+        kda_bwd_k_kernel[(NT, HV)](
+            x.k, x.beta, p.w, p.gc, p.ls, p.xs, p.rs, s_dw, s_dL, s_db, dbeta,
+            H=H, K=K, BK=BK, BS=BS, **beta_kw, **where, **launch_options(LAUNCH, "k", BK, BV))
+        dA_part = new_empty(NT, HV, NSK, **f32) if x.A_log is not None else None
+        kda_bwd_gate_kernel[(NT, HV, NSK)](
+            x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.ga, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam, s_yb, s_B,
+            dg, dA_part, dbias_part, scale=opts.scale,
+            lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0, H=H, K=K, BS=BS,
+            GATE=gate_code(opts.gate), HAS_A=x.A_log is not None, HAS_BIAS=x.dt_bias is not None, SAFE=opts.safe_gate,
+            **where, **launch_options(LAUNCH, "gate", BK, BV))
     elif x.dt_bias is not None or x.A_log is not None:  # no tokens: zero parameter gradients
-        dA_part = torch.zeros(1, HV, **f32) if x.A_log is not None else None
+        dA_part = torch.zeros(1, HV, 1, **f32) if x.A_log is not None else None
         dbias_part = torch.zeros(1, HV, K, **f32) if x.dt_bias is not None else None
-    dA_log = dA_part.sum(0).to(x.A_log.dtype) if x.A_log is not None else None
+    dA_log = dA_part.sum(0).sum(-1).to(x.A_log.dtype) if x.A_log is not None else None
     ddt_bias = dbias_part.sum(0).view(-1).to(x.dt_bias.dtype) if x.dt_bias is not None else None
     return s_dqg, s_dkd, dv, dg, dbeta, dA_log, ddt_bias
 

@@ -1,10 +1,17 @@
 """Forward stage 1, token-parallel: everything a chunk needs that does not depend on the state.
 
-One program per (chunk, value head). The chunk is NC = C/16 blocks of 16 tokens; features are
-walked in slices of BS columns so that every live tile is [16, BS] (small register footprint).
-Four phases: gates (activated once; their block-local cumulative sums go to the float32 scratch
-``gc``), row blocks (the diagonal and off-diagonal Aqk / Akk blocks), the inverse
-X = (I + Diag(beta) Akk)^-1 (float32), then w and u. l2norm, beta sigmoid and the gate
+Four launches, each over every (chunk, value head) and, where the work splits further, over the
+chunk's 16-token blocks or its feature slices (small programs, few registers, many of them in
+flight on a GPU; one fused program per chunk ran register-bound at a handful of warps per SM):
+
+    gates    (chunk, head, block)   gate activation, its block-local cumulative sums (``gc``),
+                                    the activated gates (``ga``) and the row norms of q and k (``rs``)
+    intra    (chunk, head, block)   row block r of Aqk and Akk (diagonal block and the blocks
+                                    against earlier ones), q e^G and k e^(G_last - G)
+    inverse  (chunk, head)          X = (I + Diag(beta) Akk)^-1 (float32) and the chunk decay
+    wu       (chunk, head, slice)   one feature slice of w or u
+
+Every tile is [16, BS] (features in slices of BS columns). l2norm, beta sigmoid and the gate
 activation are fused in. Per chunk it writes (docs/math.md section 2):
 
     w   = X (beta k e^G)          [C, K]   u  = X (beta v)      [C, V]
@@ -15,11 +22,6 @@ All exponents are base 2 and built as sums of the gates they span, never as a di
 cumulative sums (which loses precision for large gates): within block b, ``c_b`` is the
 inclusive cumulative gate from the block start (scratch ``gc``), ``s_b`` the block total, and
 the gates after a token are a reverse cumulative sum of the stored activated gates (``ga``).
-
-Two forms of phases 2 and 4 (``PREPARE_WIDE``): the narrow one forms every 16x16 block pair and
-every [16, BS] row block of w and u separately (small tiles, 2 warps); the wide one forms a row
-block against all earlier columns in one [16, BS] x [BS, C] product (the columns scaled for that
-row block) and w, u of the whole chunk as [C, C] x [C, BS] products (4 warps). Same results.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ import triton.language as tl
 from ...testing import new_empty
 from .common import activate_gate, chunk_location, chunk_tables, gate_code, pow2, row_of
 
-PREPARE_WARPS = 2  # for K, V <= 128; 4 beyond
-PREPARE_WIDE = False  # phases 2 and 4 as few wide products (see the kernel); not yet timed on a GPU
-PREPARE_WIDE_WARPS = 4  # 2 spill registers in the wide variant at K = V = 128 (offline sm_90 compile)
+# (warps, register cap or None) of each launch for K, V <= 128; beyond, at least 4 warps
+LAUNCH = {"gates": (4, None), "intra": (2, None), "inverse": (2, None), "wu": (4, None)}  # tools/sweep_launch.py
 SLICE = 32  # feature columns per tile
+WU_WIDE = True  # w and u as one [C, C] x [C, BS] product per slice (False: row block by row block)
 
 
 @triton.jit
@@ -205,51 +207,24 @@ def _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, J, C: tl.constexp
 
 
 @triton.jit
-def _wu(x, out, gc, rs, xs, beta, bos, t0, T_seq, i_h, i_hv, o_i, R, IS_U: tl.constexpr, NX: tl.constexpr,
-        D: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-        SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
-    """Row block R of w = X (beta k e^G) (x = k: NX = H, D = K) or of u = X (beta v) (IS_U)."""
-    for s in range(0, BD, BS):
-        o_d = s + tl.arange(0, BS)
-        b_acc = tl.zeros([16, BS], tl.float32)
-        for j in range(R + 1):
-            tj = t0 + 16 * j
-            b_b = _beta(beta, bos, tj, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)
-            if IS_U:
-                b_y = _tile(x, bos, tj, T_seq, i_hv, HV, D, o_i, o_d) * b_b[:, None]
-            else:
-                b_b *= _rs(rs, 1, 16 * j, C, o_i)
-                b_G = _c(gc, bos, tj, T_seq, i_hv, HV, K, o_i, o_d) + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, j)[None, :]
-                b_y = _tile(x, bos, tj, T_seq, i_h, NX, D, o_i, o_d) * b_b[:, None] * tl.exp2(b_G)
-            b_acc += tl.dot(_blk(xs, 16 * R, 16 * j, C, o_i), b_y, input_precision=PREC)
-        _put(out, b_acc, bos, t0 + 16 * R, T_seq, i_hv, HV, D, o_i, o_d)
-
-
-@triton.jit
-def _after_in_block(ga, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, o_c, o_d,
-                    BS: tl.constexpr):
-    """[C, BS]: for every token of the chunk, the sum of the gates after it up to its block's end (a
-    reverse cumulative sum of the next rows within each 16-token block, as ``_x``)."""
-    o_t = t0 + 1 + o_c
-    m = ((o_c % 16 < 15) & (o_t < T_seq))[:, None] & (o_d < K)[None, :]
-    b_g = tl.load(ga + (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :], mask=m, other=0.0)
-    b_x = tl.cumsum(tl.reshape(b_g, [C // 16, 16, BS]), 1, reverse=True)
-    return tl.reshape(b_x, [C, BS])
-
-
-@triton.jit
-def _blocks_between(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, NC: tl.constexpr, C: tl.constexpr,
-                    BS: tl.constexpr, o_c, o_d, BETWEEN: tl.constexpr, hi):
-    """[C, BS]: for row j, the gates of the blocks strictly between j's block and block hi (BETWEEN),
-    or of the blocks before j's block: sums of block sums."""
-    b_T = tl.zeros([C, BS], tl.float32)
-    for b in range(NC):
-        if BETWEEN:
-            m_b = ((o_c // 16) < b) & (b < hi)
+def _wu(x, out, gc, rs, xs, beta, bos, t0, T_seq, i_h, i_hv, o_i, R, s, IS_U: tl.constexpr, NX: tl.constexpr,
+        D: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr,
+        SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, PREC: tl.constexpr):
+    """Row block R, columns s..s+BS of w = X (beta k e^G) (x = k: NX = H, D = K) or of u = X (beta v)
+    (IS_U)."""
+    o_d = s + tl.arange(0, BS)
+    b_acc = tl.zeros([16, BS], tl.float32)
+    for j in range(R + 1):
+        tj = t0 + 16 * j
+        b_b = _beta(beta, bos, tj, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)
+        if IS_U:
+            b_y = _tile(x, bos, tj, T_seq, i_hv, HV, D, o_i, o_d) * b_b[:, None]
         else:
-            m_b = b < (o_c // 16)
-        b_T += tl.where(m_b[:, None], _bsum(gc, bos, t0 + 16 * b, T_seq, i_hv, HV, K, o_d)[None, :], 0.0)
-    return b_T
+            b_b *= _rs(rs, 1, 16 * j, C, o_i)
+            b_G = _c(gc, bos, tj, T_seq, i_hv, HV, K, o_i, o_d) + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, j)[None, :]
+            b_y = _tile(x, bos, tj, T_seq, i_h, NX, D, o_i, o_d) * b_b[:, None] * tl.exp2(b_G)
+        b_acc += tl.dot(_blk(xs, 16 * R, 16 * j, C, o_i), b_y, input_precision=PREC)
+    _put(out, b_acc, bos, t0 + 16 * R, T_seq, i_hv, HV, D, o_i, o_d)
 
 
 @triton.jit
@@ -280,73 +255,74 @@ def _mm(a, b):
     return tl.dot(a, b, input_precision="ieee")
 
 
-@triton.jit(do_not_specialize=["T"])
-def kda_fwd_prepare_kernel(
-    q, k, v, g, beta, A_log, dt_bias,
-    w, u, qg, kd, Aqk, gl, gc, ga, ls, xs, rs,
-    cu_seqlens, chunk_indices, scale, lower_bound, T,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SAFE: tl.constexpr, L2NORM: tl.constexpr, SIGMOID: tl.constexpr,
-    BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr,
-):
+@triton.jit
+def _program(cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(chunk, value head, slot of the pair in the per-chunk scratches, first token of the sequence,
+    its length, first token of the chunk within it) of this program."""
     i_c, i_hv = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    _, i_t, bos, T_seq = chunk_location(i_c, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    return i_c, i_hv, i_c * HV + i_hv, bos, T_seq, i_t * C
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_fwd_gates_kernel(
+    q, k, g, A_log, dt_bias, gc, ga, rs, cu_seqlens, chunk_indices, lower_bound, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """Block b = program_id(2) of a chunk: activated gates (ga), block-local cumulative sums (gc),
+    1/|q| and 1/|k| of its rows (rs)."""
+    i_c, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
     i_h = i_hv // (HV // H)
-    i_n, i_t, bos, T_seq = chunk_location(i_c, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
-    t0 = i_t * C  # first token of the chunk, within its sequence
+    b = tl.program_id(2)
+    tb = t0 + 16 * b
     o_i = tl.arange(0, 16)
-    o_c = tl.arange(0, C)
+    if tb < T_seq:
+        _gates(g, A_log, dt_bias, gc, ga, lower_bound, bos, tb, T_seq, i_hv, o_i, HV, K, BK, BS, GATE, HAS_A, HAS_BIAS)
+    rs += i_p * 2 * C
+    tl.store(rs + 16 * b + o_i, _rstd(q, bos, tb, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
+    tl.store(rs + C + 16 * b + o_i, _rstd(k, bos, tb, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_fwd_intra_kernel(
+    q, k, gc, ga, rs, qg, kd, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
+    SAFE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Row block r = program_id(2): Aqk (stored times scale) and Akk (to the scratch ls, which the
+    backward reads too) against blocks j <= r; q e^G and k e^(G_last - G) of its rows."""
+    i_c, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
+    i_h = i_hv // (HV // H)
+    r = tl.program_id(2)
+    tr = t0 + 16 * r
+    o_i = tl.arange(0, 16)
     NC: tl.constexpr = C // 16
+    ls += i_p * C * C
+    rs += i_p * 2 * C
+    b_Aqk, b_Akk = _diag(q, k, gc, ga, rs, qg, kd, bos, t0, T_seq, i_h, i_hv, scale, o_i, r, NC, C, H, HV, K, BK, BS, SAFE,
+                         L2NORM, PREC)
+    _put(Aqk + 16 * r, b_Aqk * scale, bos, tr, T_seq, i_hv, HV, C, o_i, o_i)
+    _put_blk(ls, b_Akk, 16 * r, 16 * r, C, o_i)
+    for j in range(r):
+        b_Aqk, b_Akk = _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, r, j, C, H, HV, K, BK, BS, L2NORM, PREC)
+        _put(Aqk + 16 * j, b_Aqk * scale, bos, tr, T_seq, i_hv, HV, C, o_i, o_i)
+        _put_blk(ls, b_Akk, 16 * r, 16 * j, C, o_i)
 
-    ls += (i_c * HV + i_hv) * C * C  # this program's [C, C] scratch blocks
-    xs += (i_c * HV + i_hv) * C * C
-    rs += (i_c * HV + i_hv) * 2 * C  # row norms of q, k
 
-    # --- phase 1: gates ---------------------------------------------------------------------------
-    for b in range(NC):
-        _gates(g, A_log, dt_bias, gc, ga, lower_bound, bos, t0 + 16 * b, T_seq, i_hv, o_i, HV, K, BK, BS, GATE, HAS_A, HAS_BIAS)
-        tl.store(rs + 16 * b + o_i, _rstd(q, bos, t0 + 16 * b, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
-        tl.store(rs + C + 16 * b + o_i, _rstd(k, bos, t0 + 16 * b, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
-    tl.debug_barrier()  # gc is read back below by other threads of this program
-
-    # --- phase 2: Aqk stored (times scale), Akk to the scratch ls (the backward reads it too) ------
-    for r in range(NC):
-        tr = t0 + 16 * r
-        b_Aqk, b_Akk = _diag(q, k, gc, ga, rs, qg, kd, bos, t0, T_seq, i_h, i_hv, scale, o_i, r, NC, C, H, HV, K, BK, BS, SAFE,
-                             L2NORM, PREC)
-        _put(Aqk + 16 * r, b_Aqk * scale, bos, tr, T_seq, i_hv, HV, C, o_i, o_i)
-        _put_blk(ls, b_Akk, 16 * r, 16 * r, C, o_i)
-        if WIDE:  # all earlier blocks at once: [16, BS] x [BS, C] products, columns scaled per row block
-            b_Aqk = tl.zeros([16, C], tl.float32)
-            b_Akk = tl.zeros([16, C], tl.float32)
-            b_rq = _rs(rs, 0, 16 * r, C, o_i)
-            b_rk = _rs(rs, 1, 16 * r, C, o_i)
-            for s in range(0, BK, BS):
-                o_d = s + tl.arange(0, BS)
-                b_e = tl.exp2(_c(gc, bos, tr, T_seq, i_hv, HV, K, o_i, o_d))
-                b_q = _tile(q, bos, tr, T_seq, i_h, H, K, o_i, o_d) * b_rq[:, None] * b_e
-                b_k = _tile(k, bos, tr, T_seq, i_h, H, K, o_i, o_d) * b_rk[:, None] * b_e
-                # column j < 16 r: gates after j to its block end, then the blocks up to block r
-                b_x = _after_in_block(ga, bos, t0, T_seq, i_hv, HV, K, C, o_c, o_d, BS) \
-                    + _blocks_between(gc, bos, t0, T_seq, i_hv, HV, K, NC, C, BS, o_c, o_d, True, r)
-                b_col = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + C + o_c)[:, None]
-                b_col = tl.trans(tl.where((o_c < 16 * r)[:, None], b_col * tl.exp2(b_x), 0.0))
-                b_Aqk += tl.dot(b_q, b_col, input_precision=PREC)
-                b_Akk += tl.dot(b_k, b_col, input_precision=PREC)
-            m_w = ((tr + o_i) < T_seq)[:, None] & (o_c < 16 * r)[None, :]
-            tl.store(Aqk + (bos + tr + o_i).to(tl.int64)[:, None] * (HV * C) + i_hv * C + o_c[None, :], (b_Aqk * scale).to(
-                Aqk.dtype.element_ty), mask=m_w)
-            tl.store(ls + (16 * r + o_i)[:, None] * C + o_c[None, :], b_Akk, mask=(o_c < 16 * r)[None, :])
-        else:
-            for j in range(r):
-                b_Aqk, b_Akk = _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, r, j, C, H, HV, K, BK, BS, L2NORM,
-                                     PREC)
-                _put(Aqk + 16 * j, b_Aqk * scale, bos, tr, T_seq, i_hv, HV, C, o_i, o_i)
-                _put_blk(ls, b_Akk, 16 * r, 16 * j, C, o_i)
-    tl.debug_barrier()
-
-    # --- phase 3: X = (I + L)^-1 row block by row block, float32, to the scratch xs ----------------
-    # L = Diag(beta) Akk;  X_rr = (I + L_rr)^-1;  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj
+@triton.jit(do_not_specialize=["T"])
+def kda_fwd_inverse_kernel(
+    beta, gc, ls, xs, gl, cu_seqlens, chunk_indices, T,
+    HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
+    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """X = (I + L)^-1 with L = Diag(beta) Akk, row block by row block (float32, to the scratch xs):
+    X_rr = (I + L_rr)^-1,  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj.  Then the chunk decay gl."""
+    i_c, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
+    o_i = tl.arange(0, 16)
+    NC: tl.constexpr = C // 16
+    ls += i_p * C * C
+    xs += i_p * C * C
     for r in range(NC):
         b_b = _beta(beta, bos, t0 + 16 * r, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)[:, None]
         b_Xrr = _inv_unit_lower(b_b * _blk(ls, 16 * r, 16 * r, C, o_i), o_i)
@@ -356,34 +332,73 @@ def kda_fwd_prepare_kernel(
             for m in range(j, r):
                 b_acc += _mm(b_b * _blk(ls, 16 * r, 16 * m, C, o_i), _blk(xs, 16 * m, 16 * j, C, o_i))
             _put_blk(xs, -_mm(b_Xrr, b_acc), 16 * r, 16 * j, C, o_i)
-        tl.debug_barrier()
-
-    # --- phase 4: w = X (beta k e^G), u = X (beta v) ---------------------------------------------
-    if WIDE:  # the whole chunk at once: [C, C] x [C, BS] products
-        b_X = tl.load(xs + o_c[:, None] * C + o_c[None, :], mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16), other=0.0)
-        b_bC = _beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)
-        b_bk = b_bC * tl.load(rs + C + o_c)
-        for s in range(0, BK, BS):
-            o_d = s + tl.arange(0, BS)
-            b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) \
-                + _blocks_between(gc, bos, t0, T_seq, i_hv, HV, K, NC, C, BS, o_c, o_d, False, 0)
-            b_y = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * b_bk[:, None] * tl.exp2(b_G)
-            _put(w, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-        for s in range(0, BV, BS):
-            o_d = s + tl.arange(0, BS)
-            b_y = _tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_d) * b_bC[:, None]
-            _put(u, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
-    else:
-        for r in range(NC):
-            _wu(k, w, gc, rs, xs, beta, bos, t0, T_seq, i_h, i_hv, o_i, r, False, H, K, HV, K, C, BK, BS, SIGMOID,
-                BETA_SCALE, L2NORM, PREC)
-            _wu(v, u, gc, rs, xs, beta, bos, t0, T_seq, i_h, i_hv, o_i, r, True, HV, V, HV, K, C, BV, BS, SIGMOID,
-                BETA_SCALE, L2NORM, PREC)
-
-    # --- chunk decay -------------------------------------------------------------------------------
+        tl.debug_barrier()  # row block r of xs is read back by other threads for the next rows
     for s in range(0, BK, BS):
         o_d = s + tl.arange(0, BS)
-        tl.store(gl + (i_c * HV + i_hv) * K + o_d, tl.exp2(_bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, NC)), mask=o_d < K)
+        tl.store(gl + i_p * K + o_d, tl.exp2(_bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, NC)), mask=o_d < K)
+
+
+@triton.jit
+def _blocks_before(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, NC: tl.constexpr, o_c, o_d):
+    """[C, BS]: for every row of the chunk, the gates of the blocks before its own (block sums)."""
+    b_T = tl.zeros([o_c.shape[0], o_d.shape[0]], tl.float32)
+    for b in range(NC - 1):
+        b_T += tl.where((b < o_c // 16)[:, None], _bsum(gc, bos, t0 + 16 * b, T_seq, i_hv, HV, K, o_d)[None, :], 0.0)
+    return b_T
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_fwd_wu_kernel(
+    k, v, beta, gc, rs, xs, w, u, cu_seqlens, chunk_indices, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BS: tl.constexpr,
+    NSK: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    """Slice i_s = program_id(2) of the chunk's w (the first NSK slices) or u (the rest); row block
+    by row block, or (WIDE) the whole chunk as one [C, C] x [C, BS] product."""
+    i_c, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
+    i_h = i_hv // (HV // H)
+    i_s = tl.program_id(2)
+    NC: tl.constexpr = C // 16
+    rs += i_p * 2 * C
+    xs += i_p * C * C
+    if WIDE:
+        o_c = tl.arange(0, C)
+        # X is block lower triangular; the blocks above were never written
+        b_X = tl.load(xs + o_c[:, None] * C + o_c[None, :], mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16), other=0.0)
+        b_b = _beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)  # [C]
+        if i_s < NSK:
+            o_d = i_s * BS + tl.arange(0, BS)
+            b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + _blocks_before(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d)
+            b_y = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * (b_b * tl.load(rs + C + o_c))[:, None] * tl.exp2(b_G)
+            _put(w, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+        else:
+            o_d = (i_s - NSK) * BS + tl.arange(0, BS)
+            b_y = _tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_d) * b_b[:, None]
+            _put(u, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
+    else:
+        o_i = tl.arange(0, 16)
+        for r in range(NC):
+            if 16 * r < T_seq - t0:  # blocks past the sequence end have no rows to write
+                if i_s < NSK:
+                    _wu(k, w, gc, rs, xs, beta, bos, t0, T_seq, i_h, i_hv, o_i, r, i_s * BS, False, H, K, HV, K, C, BS,
+                        SIGMOID, BETA_SCALE, PREC)
+                else:
+                    _wu(v, u, gc, rs, xs, beta, bos, t0, T_seq, i_h, i_hv, o_i, r, (i_s - NSK) * BS, True, HV, V, HV, K, C,
+                        BS, SIGMOID, BETA_SCALE, PREC)
+
+
+def launch_options(table: dict, name: str, BK: int, BV: int) -> dict:
+    """Launch options of kernel ``name`` from a (warps, register cap) table: at least 4 warps for
+    features beyond 128 (the tiles grow with them)."""
+    warps, maxnreg = table[name]
+    if max(BK, BV) > 128:
+        warps, maxnreg = max(warps, 4), None
+    return dict(num_warps=warps, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))
+
+
+def launch(name, BK, BV):
+    return launch_options(LAUNCH, name, BK, BV)
 
 
 class Prepared(NamedTuple):
@@ -429,13 +444,20 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host) -> 
     PREC = "ieee" if dt == torch.float32 else "tf32"  # products are float32: tensor-core tf32 for 16-bit inputs
     if NT_total > 0:
         BK, BV = pow2(K), pow2(V)
-        kda_fwd_prepare_kernel[(NT_total, HV)](
-            q, k, v, g, beta, A_log, dt_bias, w, u, qg, kd, Aqk, gl, gc, ga, ls, xs, rs, cu_seqlens, chunk_indices,
-            opts.scale, opts.lower_bound if opts.lower_bound is not None else 0.0, T,
-            H=H, HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, BS=min(SLICE, BK, BV), GATE=gate_code(opts.gate),
-            HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, SAFE=opts.safe_gate, L2NORM=opts.qk_l2norm,
-            SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, IS_VARLEN=cu_seqlens is not None,
-            PREC=PREC, WIDE=PREPARE_WIDE,
-            num_warps=PREPARE_WIDE_WARPS if PREPARE_WIDE else PREPARE_WARPS if max(BK, BV) <= 128 else 4, num_stages=1,
-        )
+        BS = min(SLICE, BK, BV)
+        NC = C // 16
+        where = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, HV=HV, C=C, IS_VARLEN=cu_seqlens is not None)
+        kda_fwd_gates_kernel[(NT_total, HV, NC)](
+            q, k, g, A_log, dt_bias, gc, ga, rs, lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0,
+            H=H, K=K, BK=BK, BS=BS, GATE=gate_code(opts.gate), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
+            L2NORM=opts.qk_l2norm, **where, **launch("gates", BK, BV))
+        kda_fwd_intra_kernel[(NT_total, HV, NC)](
+            q, k, gc, ga, rs, qg, kd, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate,
+            L2NORM=opts.qk_l2norm, PREC=PREC, **where, **launch("intra", BK, BV))
+        kda_fwd_inverse_kernel[(NT_total, HV)](
+            beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, **where, **launch("inverse", BK, BV))
+        NSK = triton.cdiv(K, BS)
+        kda_fwd_wu_kernel[(NT_total, HV, NSK + triton.cdiv(V, BS))](
+            k, v, beta, gc, rs, xs, w, u, H=H, K=K, V=V, BS=BS, NSK=NSK, SIGMOID=opts.beta_sigmoid,
+            BETA_SCALE=opts.beta_scale, PREC=PREC, WIDE=WU_WIDE, **where, **launch("wu", BK, BV))
     return Prepared(w, u, qg, kd, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total)

@@ -2,8 +2,9 @@
 
 Two launches. ``kda_check_indices_kernel`` validates every pool index (slots in [-1, num_slots),
 accepted-token counts in [1, 1 + num_draft], tokens per sequence <= 1 + num_draft) and writes an
-error code; ``kda_recurrent_kernel`` reads that code first and, if it is set, returns at once, so a
-call with one bad index changes nothing at all. The wrapper raises on the code when the stream is
+error code; ``kda_recurrent_kernel`` reads that code with the slot of its sequence and, if it is
+set, treats every sequence as padding (reads and writes no slot), so a call with one bad index
+changes nothing at all. The wrapper raises on the code when the stream is
 not being captured into a CUDA graph; during capture the engine reads ``last_error_code()``.
 
 One program per (value block of BV columns, sequence, value head); the float32 state tile
@@ -21,6 +22,7 @@ from .common import activate_gate, contiguous, gate_code, pow2
 
 REC_BV = 32
 REC_WARPS = 4
+CHECK_BN = 256  # sequences per step of the index check
 
 # error codes: 0 ok; otherwise kind + 4 * (sequence index)
 ERR_SLOT, ERR_ACCEPTED, ERR_TOKENS = 1, 2, 3
@@ -29,31 +31,37 @@ _ERR_SLOT, _ERR_ACCEPTED, _ERR_TOKENS = tl.constexpr(ERR_SLOT), tl.constexpr(ERR
 
 
 @triton.jit
-def kda_check_indices_kernel(idx, acc, cu_seqlens, err, N, T, num_slots, stride_idx,
-                             COLS: tl.constexpr, BC: tl.constexpr, SPEC: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """err[0] <- 0, or the first error: kind + 4 * sequence."""
-    code = tl.zeros([1], tl.int32)
+def kda_check_indices_kernel(idx, acc, cu_seqlens, err, N, T, num_slots, stride_idx, COLS: tl.constexpr,
+                             BC: tl.constexpr, BN: tl.constexpr, SPEC: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """err[0] <- 0, or the error of the first sequence that has one: kind + 4 * sequence. BN
+    sequences at a time."""
+    NONE: tl.constexpr = 2**31 - 1
     o_c = tl.arange(0, BC)
-    for n in range(0, N):
+    b_first = tl.full([BN], NONE, tl.int32)
+    for n0 in range(0, N, BN):
+        o_n = n0 + tl.arange(0, BN)
+        m_n = o_n < N
         if IS_VARLEN:
-            L = tl.load(cu_seqlens + n + 1) - tl.load(cu_seqlens + n)
+            L = tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0) - tl.load(cu_seqlens + o_n, mask=m_n, other=0)
         else:
             L = T
-        b_idx = tl.load(idx + n * stride_idx + o_c, mask=o_c < COLS, other=0).to(tl.int64)
-        bad_slot = tl.sum(((b_idx < -1) | (b_idx >= num_slots)).to(tl.int32), 0) > 0
+        b_idx = tl.load(idx + o_n.to(tl.int64)[:, None] * stride_idx + o_c[None, :],
+                        mask=m_n[:, None] & (o_c < COLS)[None, :], other=0).to(tl.int64)
+        bad_slot = tl.sum(((b_idx < -1) | (b_idx >= num_slots)).to(tl.int32), 1) > 0
         this = tl.where(bad_slot, _ERR_SLOT, 0)
         if SPEC:
-            a = tl.load(acc + n).to(tl.int64)
+            a = tl.load(acc + o_n, mask=m_n, other=1).to(tl.int64)
             this = tl.where((a < 1) | (a > COLS), _ERR_ACCEPTED, this)
             this = tl.where(L > COLS, _ERR_TOKENS, this)
-        code = tl.where((code == 0) & (this != 0), this + 4 * n, code)
-    tl.store(err + tl.arange(0, 1), code)
+        b_first = tl.minimum(b_first, tl.where(m_n & (this != 0), this + 4 * o_n, NONE))
+    b_code = tl.min(b_first, 0)
+    tl.store(err + tl.arange(0, 1), tl.where(b_code == NONE, 0, b_code) + tl.zeros([1], tl.int32))
 
 
 @triton.jit(do_not_specialize=["T", "num_slots"])
 def kda_recurrent_kernel(
     q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, err,
-    scale, lower_bound, T, num_slots, stride_idx,
+    scale, lower_bound, T, num_slots, stride_idx, COLS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, SIGMOID: tl.constexpr,
     BETA_SCALE: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, POOL: tl.constexpr, SPEC: tl.constexpr,
@@ -62,9 +70,6 @@ def kda_recurrent_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if POOL:
-        if tl.load(err) != 0:  # a bad index anywhere: this call changes nothing
-            return
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
@@ -82,15 +87,20 @@ def kda_recurrent_kernel(
 
     slot0 = i_n
     if POOL:
+        # the error code and the slot are read together; with a bad index anywhere (code != 0) the
+        # sequence counts as padding: nothing is read from or written to the pool
+        ok = tl.load(err) == 0
         if SPEC:
-            slot0 = tl.load(idx + i_n * stride_idx + tl.load(acc + i_n).to(tl.int64) - 1).to(tl.int64)
+            a = tl.minimum(tl.maximum(tl.load(acc + i_n).to(tl.int64), 1), COLS)  # in the row even when bad
+            slot0 = tl.load(idx + i_n * stride_idx + a - 1).to(tl.int64)
         else:
             slot0 = tl.load(idx + i_n * stride_idx).to(tl.int64)
-    live = slot0 >= 0  # -1: a padding sequence
+        live = ok & (slot0 >= 0)  # -1: a padding sequence
+    else:
+        live = slot0 >= 0
     b_S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        if live:
-            b_S += tl.load(h0 + (slot0 * HV + i_hv) * K * V + o_h, mask=m_h, other=0.0).to(tl.float32)
+        b_S += tl.load(h0 + (slot0 * HV + i_hv) * K * V + o_h, mask=m_h & live, other=0.0).to(tl.float32)
 
     p_o = o + (bos * HV + i_hv) * V + o_v
     for t in range(0, T_seq):
@@ -114,7 +124,7 @@ def kda_recurrent_kernel(
         tl.store(p_o + t * HV * V, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
         if SPEC:
             if INPLACE:
-                slot_t = tl.load(idx + i_n * stride_idx + t).to(tl.int64)
+                slot_t = tl.load(idx + i_n * stride_idx + t, mask=live, other=-1).to(tl.int64)
                 if live & (slot_t >= 0):
                     tl.store(h0 + (slot_t * HV + i_hv) * K * V + o_h, b_S.to(h0.dtype.element_ty), mask=m_h)
 
@@ -164,7 +174,7 @@ def recurrent_forward(opts, x):
     num_slots = h0.shape[0] if h0 is not None else 0
     if opts.pool:
         kda_check_indices_kernel[(1,)](
-            idx, acc, x.cu_seqlens, err, N, T, num_slots, idx.stride(0), COLS=cols, BC=pow2(cols, 1),
+            idx, acc, x.cu_seqlens, err, N, T, num_slots, idx.stride(0), COLS=cols, BC=pow2(cols, 1), BN=CHECK_BN,
             SPEC=opts.spec_decode, IS_VARLEN=x.cu_seqlens is not None,
         )
     BK, BV = pow2(K), min(pow2(V), REC_BV)
@@ -172,7 +182,7 @@ def recurrent_forward(opts, x):
         kda_recurrent_kernel[(triton.cdiv(V, BV), N * HV)](
             q, k, v, g, beta, x.A_log, x.dt_bias, o, h0, ht, x.cu_seqlens, idx, acc, err,
             opts.scale, opts.lower_bound if opts.lower_bound is not None else 0.0, T, num_slots,
-            idx.stride(0) if idx is not None else 0,
+            idx.stride(0) if idx is not None else 0, cols,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, GATE=gate_code(opts.gate), HAS_A=x.A_log is not None,
             HAS_BIAS=x.dt_bias is not None, L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid,
             BETA_SCALE=opts.beta_scale, USE_H0=h0 is not None, STORE_HT=ht is not None, POOL=opts.pool,

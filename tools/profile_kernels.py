@@ -1,0 +1,61 @@
+"""Per-kernel GPU time of one chunk_kda forward (and training step) of fastkda and fla-core, from
+the PyTorch profiler: which launch costs what.
+
+    python tools/profile_kernels.py [--case "B1 T8192 H64"] [--backward]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from bench_ops import FORWARD, _impls, make  # noqa: E402
+
+
+def profile(fn, reps=5):
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    fn()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in p.key_averages():
+        if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
+            rows[e.key] = (e.self_device_time_total / reps / 1e3, e.count // reps)
+    total = sum(ms for ms, _ in rows.values())
+    print(f"  {'kernel':60s} {'ms':>8s} {'calls':>6s}")
+    for k, (ms, n) in sorted(rows.items(), key=lambda r: -r[1][0]):
+        print(f"  {k[:60]:60s} {ms:8.3f} {n:6d}")
+    print(f"  {'total':60s} {total:8.3f}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", default="B1 T8192 H64")
+    ap.add_argument("--gate", default=None, help="override the case's gate: safe or softplus")
+    ap.add_argument("--backward", action="store_true", help="profile a training step too")
+    a = ap.parse_args()
+    os.environ.setdefault("FASTKDA_BACKEND", "triton")
+    _, B, T, H, seqlens, gate = next(c for c in FORWARD if c[0] == a.case)
+    for lib, fn in _impls().items():
+        x, kw = make(B, T, H, seqlens, a.gate or gate, grad=a.backward)
+        print(f"{lib}: forward, {a.case}")
+        with torch.inference_mode():
+            profile(lambda: fn(**x, **kw))
+        if a.backward:
+            leaves = [*x.values(), kw["A_log"], kw["dt_bias"]]
+            do = torch.randn_like(x["v"])
+            print(f"{lib}: forward + backward, {a.case}")
+            profile(lambda: torch.autograd.grad(fn(**x, **kw)[0], leaves, do))
+
+
+if __name__ == "__main__":
+    main()

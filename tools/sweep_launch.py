@@ -1,0 +1,103 @@
+"""Launch options (warps, register cap) of the chunk kernels, per kernel, on the current GPU.
+
+Every configuration is applied to all stage-1 and backward chunk kernels at once; one training
+step of a benchmark case runs under the PyTorch profiler and each kernel's time is read apart.
+Compilation runs first in parallel processes (one per configuration, sharing the Triton cache),
+the timing afterwards in one process:
+
+    python tools/sweep_launch.py [--case "B1 T8192 H64"] [--gates safe,softplus] [--jobs 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from bench_ops import FORWARD, make  # noqa: E402
+
+CONFIGS = [(2, None), (4, None), (8, None), (2, 128), (4, 128), (8, 128), (4, 96), (8, 96)]
+
+
+def apply(cfg):
+    from fastkda.backends.triton import bwd_chunk, prepare
+
+    for table in (prepare.LAUNCH, bwd_chunk.LAUNCH):
+        for name in table:
+            table[name] = cfg
+
+
+def step(case, gate):
+    import fastkda
+
+    _, B, T, H, seqlens, _ = next(c for c in FORWARD if c[0] == case)
+    x, kw = make(B, T, H, seqlens, gate, grad=True)
+    leaves = [*x.values(), kw["A_log"], kw["dt_bias"]]
+    do = torch.randn_like(x["v"])
+    return lambda: torch.autograd.grad(fastkda.chunk_kda(**x, **kw)[0], leaves, do)
+
+
+def kernel_times(fn, reps=5):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / reps / 1e3 for e in p.key_averages()
+            if e.device_type.name == "CUDA" and ("kda_fwd" in e.key or "kda_bwd" in e.key)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", default="B1 T8192 H64")
+    ap.add_argument("--gates", default="safe,softplus")
+    ap.add_argument("--jobs", type=int, default=8)
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module constant of fastkda.backends.triton first, e.g. prepare.WU_WIDE=True")
+    ap.add_argument("--only", type=int, default=None, help="(internal) compile configuration i and exit")
+    a = ap.parse_args()
+    os.environ.setdefault("FASTKDA_BACKEND", "triton")
+    gates = a.gates.split(",")
+    for item in a.set:
+        import ast
+        import importlib
+
+        name, value = item.split("=", 1)
+        module, attr = name.rsplit(".", 1)
+        setattr(importlib.import_module(f"fastkda.backends.triton.{module}"), attr, ast.literal_eval(value))
+    if a.only is not None:
+        apply(CONFIGS[a.only])
+        for gate in gates:
+            step(a.case, gate)()
+        torch.cuda.synchronize()
+        return
+    procs, running = list(range(len(CONFIGS))), []
+    while procs or running:
+        while procs and len(running) < a.jobs:
+            i = procs.pop(0)
+            running.append(subprocess.Popen([sys.executable, __file__, "--case", a.case, "--gates", a.gates,
+                                             *[f"--set={x}" for x in a.set], "--only", str(i)]))
+        running[0].wait()
+        running.pop(0)
+    for gate in gates:
+        fn = step(a.case, gate)
+        rows = {}
+        for cfg in CONFIGS:
+            apply(cfg)
+            for name, ms in kernel_times(fn).items():
+                rows.setdefault(name, {})[cfg] = ms
+        print(f"\n{a.case}, {gate} gate {' '.join(a.set)}: ms per kernel and (warps, register cap)")
+        print(f"{'kernel':28s}" + "".join(f"{str(c):>12s}" for c in CONFIGS))
+        for name, row in sorted(rows.items()):
+            print(f"{name[:28]:28s}" + "".join(f"{row.get(c, float('nan')):12.3f}" for c in CONFIGS), flush=True)
+
+
+if __name__ == "__main__":
+    main()
