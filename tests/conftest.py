@@ -44,7 +44,7 @@ def _record_launches(path: str):
                 sig[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
             else:
                 sig[name] = "fp32"
-        opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        opts = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
         for k, v in kwargs.items():
             if k not in opts:
                 consts[k] = v if isinstance(v, (int, float, str, bool)) or v is None else f"tl:{v}"  # a tl.dtype

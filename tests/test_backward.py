@@ -83,6 +83,21 @@ def test_backward_widest_heads(backend, rng):
     check_grads(got, want, x, tol_for(case.dtype, backend))
 
 
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("axis,dtype,exact", [("extreme_safe", torch.bfloat16, None), ("extreme_lowerbound", torch.float16, None),
+                                              ("safe_lb-5", torch.bfloat16, True), ("safe_lb-5", torch.float32, False)])
+def test_triton_pair_sums(axis, dtype, exact, rng, monkeypatch):
+    """The two ways the gate-gradient kernel sums a block's pair terms (bwd_chunk.EXACT_PAIRS): the
+    cheaper one (16-bit inputs by default) at extreme gates, the exact one for 16-bit inputs too,
+    and the cheaper one for float32 inputs within the 16-bit budget."""
+    from fastkda.backends.triton import bwd_chunk
+
+    monkeypatch.setattr(bwd_chunk, "EXACT_PAIRS", exact)
+    case = grow(BWD_AXES[axis].replace(dtype=dtype), GPU)
+    x, got, want = grads("triton", case, rng)
+    check_grads(got, want, x, tol_for(torch.bfloat16 if dtype == torch.float32 else dtype, "triton"))
+
+
 @pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
 def test_backward_deterministic(backend, rng):
     """Two runs of the same backward give bit-identical gradients (no atomics whose order varies)."""

@@ -60,7 +60,7 @@ def main():
     ap.add_argument("--gates", default="safe,softplus")
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="set a module constant of fastkda.backends.triton first, e.g. prepare.WU_WIDE=True")
+                    help="set a module constant of fastkda.backends.triton first, e.g. prepare.SLICE=64")
     ap.add_argument("--only", type=int, default=None, help="(internal) compile configuration i and exit")
     a = ap.parse_args()
     os.environ.setdefault("FASTKDA_BACKEND", "triton")

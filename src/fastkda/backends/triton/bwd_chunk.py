@@ -32,6 +32,13 @@ from .prepare import SLICE, _beta, _blk, _bsums, _c, _program, _put, _tile, _x, 
 
 # (warps, register cap or None) of each launch for K, V <= 128 (prepare.launch_options)
 LAUNCH = {"v": (2, None), "k": (2, 128), "gate": (2, 128)}  # tools/sweep_launch.py
+# Within-block pair terms of dg: summed exactly (i >= t > j, one column at a time) or as row sums
+# minus column sums of the block's products, whose rounding leaves a residue of the cancelling
+# pairs (float32 products: up to 2e-4 of dg at extreme gates on the CPU tier, within the 16-bit
+# budget, not float32's); None: exactly for float32 inputs only. Without the exact sum the
+# diagonal blocks' products run as tf32x3 (float32 accuracy), since one tf32 rounding of a pair
+# term would leave a thousandfold larger residue.
+EXACT_PAIRS = None
 
 
 @triton.jit
@@ -176,6 +183,7 @@ def kda_bwd_gate_kernel(
     dg, dA_part, dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr,
     HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    EXACT: tl.constexpr, DIAG_PREC: tl.constexpr,
 ):
     """Phase C, feature slice program_id(2): the gated products and the gate gradient; dq and dk of
     this value head (before l2norm) replace dqg and dkd."""
@@ -231,28 +239,35 @@ def kda_bwd_gate_kernel(
             b_cm = row_of(b_c, o_i, 8)
             b_up = tl.exp2(b_c - b_cm[None, :])
             b_dn = tl.exp2(b_cm[None, :] - b_c)
-            b_dq += b_up * _mm(b_dAd, b_k * b_dn, PREC)
-            b_dkr += b_up * _mm(b_dKd, b_k * b_dn, PREC)
-            b_dkc += b_dn * (_mm(tl.trans(b_dAd), b_q * b_up, PREC) + _mm(tl.trans(b_dKd), b_k * b_up, PREC))
+            b_dq += b_up * _mm(b_dAd, b_k * b_dn, DIAG_PREC)
+            b_dkr += b_up * _mm(b_dKd, b_k * b_dn, DIAG_PREC)
+            b_dkc += b_dn * (_mm(tl.trans(b_dAd), b_q * b_up, DIAG_PREC) + _mm(tl.trans(b_dKd), b_k * b_up, DIAG_PREC))
         else:
             b_g = tl.load(ga + (bos + tr + o_i).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :],
                           mask=((tr + o_i) < T_seq)[:, None] & m_d[None, :], other=0.0)
-        for j in range(15):  # column j: the pair terms of rows i > j, token-parallel
-            if SAFE:
-                b_e = tl.where(o_i[:, None] > j, b_up * row_of(b_dn, o_i, j)[None, :], 0.0)
-            else:  # unbounded gates: every factor from the gates it spans
-                b_e = tl.exp2(tl.where(o_i[:, None] > j, tl.cumsum(tl.where(o_i[:, None] > j, b_g, 0.0), 0),
-                                       float("-inf")))  # [16, BS]: e^(G_i - G_j), rows i > j
-            b_kj = row_of(b_k, o_i, j)
-            b_aj = _col_of(b_dAd, o_i, j)
-            b_lj = _col_of(b_dKd, o_i, j)
-            b_T = (b_aj[:, None] * b_q + b_lj[:, None] * b_k) * b_kj[None, :] * b_e  # [16, BS]
-            b_dgx += tl.where(o_i[:, None] > j, tl.cumsum(b_T, 0, reverse=True), 0.0)
-            if not SAFE:
-                b_dq += b_aj[:, None] * b_kj[None, :] * b_e
-                b_dkr += b_lj[:, None] * b_kj[None, :] * b_e
-                b_dkc += tl.where(o_i[:, None] == j, tl.sum((b_aj[:, None] * b_q + b_lj[:, None] * b_k) * b_e, 0)[None, :],
-                                  0.0)
+        if EXACT or not SAFE:
+            for j in range(15):  # column j: the pair terms of rows i > j, token-parallel
+                if SAFE:
+                    b_e = tl.where(o_i[:, None] > j, b_up * row_of(b_dn, o_i, j)[None, :], 0.0)
+                else:  # unbounded gates: every factor from the gates it spans
+                    b_e = tl.exp2(tl.where(o_i[:, None] > j, tl.cumsum(tl.where(o_i[:, None] > j, b_g, 0.0), 0),
+                                           float("-inf")))  # [16, BS]: e^(G_i - G_j), rows i > j
+                b_kj = row_of(b_k, o_i, j)
+                b_aj = _col_of(b_dAd, o_i, j)
+                b_lj = _col_of(b_dKd, o_i, j)
+                if EXACT:
+                    b_T = (b_aj[:, None] * b_q + b_lj[:, None] * b_k) * b_kj[None, :] * b_e  # [16, BS]
+                    b_dgx += tl.where(o_i[:, None] > j, tl.cumsum(b_T, 0, reverse=True), 0.0)
+                if not SAFE:
+                    b_dq += b_aj[:, None] * b_kj[None, :] * b_e
+                    b_dkr += b_lj[:, None] * b_kj[None, :] * b_e
+                    b_dkc += tl.where(o_i[:, None] == j,
+                                      tl.sum((b_aj[:, None] * b_q + b_lj[:, None] * b_k) * b_e, 0)[None, :], 0.0)
+        if not EXACT:
+            # the same sum as row sums minus column sums of the block's pair terms, reverse-summed
+            # (pairs with both tokens >= t cancel): for 16-bit inputs, whose error budget hides
+            # the rounding those cancelling pairs leave behind
+            b_dgx += tl.cumsum(b_q * b_dq + b_k * (b_dkr - b_dkc), 0, reverse=True)
         # against earlier blocks J: rows anchored at the block start (factors <= 1); the per-pair
         # sums B_rJ go to the scratch s_B for the earlier blocks' turn
         b_eR = tl.exp2(b_c)
@@ -384,12 +399,13 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
             x.k, x.beta, p.w, p.gc, p.ls, p.xs, p.rs, s_dw, s_dL, s_db, dbeta,
             H=H, K=K, BK=BK, BS=BS, **beta_kw, **where, **launch_options(LAUNCH, "k", BK, BV))
         dA_part = new_empty(NT, HV, NSK, **f32) if x.A_log is not None else None
+        exact = EXACT_PAIRS if EXACT_PAIRS is not None else x.q.dtype == torch.float32
         kda_bwd_gate_kernel[(NT, HV, NSK)](
             x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.ga, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam, s_yb, s_B,
             dg, dA_part, dbias_part, scale=opts.scale,
             lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0, H=H, K=K, BS=BS,
             GATE=gate_code(opts.gate), HAS_A=x.A_log is not None, HAS_BIAS=x.dt_bias is not None, SAFE=opts.safe_gate,
-            **where, **launch_options(LAUNCH, "gate", BK, BV))
+            EXACT=exact, DIAG_PREC=PREC if exact else "tf32x3", **where, **launch_options(LAUNCH, "gate", BK, BV))
     elif x.dt_bias is not None or x.A_log is not None:  # no tokens: zero parameter gradients
         dA_part = torch.zeros(1, HV, 1, **f32) if x.A_log is not None else None
         dbias_part = torch.zeros(1, HV, K, **f32) if x.dt_bias is not None else None

@@ -36,9 +36,8 @@ from ...testing import new_empty
 from .common import activate_gate, chunk_location, chunk_tables, gate_code, pow2, row_of
 
 # (warps, register cap or None) of each launch for K, V <= 128; beyond, at least 4 warps
-LAUNCH = {"gates": (4, None), "intra": (2, None), "inverse": (2, None), "wu": (4, None)}  # tools/sweep_launch.py
+LAUNCH = {"gates": (4, None), "intra": (2, None), "inverse": (2, None), "wu": (8, None)}  # tools/sweep_launch.py
 SLICE = 32  # feature columns per tile
-WU_WIDE = True  # w and u as one [C, C] x [C, BS] product per slice (False: row block by row block)
 
 
 @triton.jit
@@ -207,27 +206,6 @@ def _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, J, C: tl.constexp
 
 
 @triton.jit
-def _wu(x, out, gc, rs, xs, beta, bos, t0, T_seq, i_h, i_hv, o_i, R, s, IS_U: tl.constexpr, NX: tl.constexpr,
-        D: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr,
-        SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, PREC: tl.constexpr):
-    """Row block R, columns s..s+BS of w = X (beta k e^G) (x = k: NX = H, D = K) or of u = X (beta v)
-    (IS_U)."""
-    o_d = s + tl.arange(0, BS)
-    b_acc = tl.zeros([16, BS], tl.float32)
-    for j in range(R + 1):
-        tj = t0 + 16 * j
-        b_b = _beta(beta, bos, tj, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)
-        if IS_U:
-            b_y = _tile(x, bos, tj, T_seq, i_hv, HV, D, o_i, o_d) * b_b[:, None]
-        else:
-            b_b *= _rs(rs, 1, 16 * j, C, o_i)
-            b_G = _c(gc, bos, tj, T_seq, i_hv, HV, K, o_i, o_d) + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, j)[None, :]
-            b_y = _tile(x, bos, tj, T_seq, i_h, NX, D, o_i, o_d) * b_b[:, None] * tl.exp2(b_G)
-        b_acc += tl.dot(_blk(xs, 16 * R, 16 * j, C, o_i), b_y, input_precision=PREC)
-    _put(out, b_acc, bos, t0 + 16 * R, T_seq, i_hv, HV, D, o_i, o_d)
-
-
-@triton.jit
 def _blk(x, row, col, C: tl.constexpr, o_i):
     """The [16, 16] block at rows row.., columns col.. of this program's [C, C] float32 scratch."""
     return tl.load(x + (row + o_i)[:, None] * C + col + o_i[None, :])
@@ -352,40 +330,29 @@ def kda_fwd_wu_kernel(
     k, v, beta, gc, rs, xs, w, u, cu_seqlens, chunk_indices, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BS: tl.constexpr,
     NSK: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    WIDE: tl.constexpr,
 ):
-    """Slice i_s = program_id(2) of the chunk's w (the first NSK slices) or u (the rest); row block
-    by row block, or (WIDE) the whole chunk as one [C, C] x [C, BS] product."""
+    """Slice i_s = program_id(2) of the chunk's w (the first NSK slices) or u (the rest), the whole
+    chunk as one [C, C] x [C, BS] product (0.50 ms at B1 T8192 H64 on the H200, 8 warps; row block
+    by row block, [16, 16] x [16, BS] products, took 0.71 ms)."""
     i_c, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
     i_h = i_hv // (HV // H)
     i_s = tl.program_id(2)
     NC: tl.constexpr = C // 16
     rs += i_p * 2 * C
     xs += i_p * C * C
-    if WIDE:
-        o_c = tl.arange(0, C)
-        # X is block lower triangular; the blocks above were never written
-        b_X = tl.load(xs + o_c[:, None] * C + o_c[None, :], mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16), other=0.0)
-        b_b = _beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)  # [C]
-        if i_s < NSK:
-            o_d = i_s * BS + tl.arange(0, BS)
-            b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + _blocks_before(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d)
-            b_y = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * (b_b * tl.load(rs + C + o_c))[:, None] * tl.exp2(b_G)
-            _put(w, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-        else:
-            o_d = (i_s - NSK) * BS + tl.arange(0, BS)
-            b_y = _tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_d) * b_b[:, None]
-            _put(u, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
-    else:
-        o_i = tl.arange(0, 16)
-        for r in range(NC):
-            if 16 * r < T_seq - t0:  # blocks past the sequence end have no rows to write
-                if i_s < NSK:
-                    _wu(k, w, gc, rs, xs, beta, bos, t0, T_seq, i_h, i_hv, o_i, r, i_s * BS, False, H, K, HV, K, C, BS,
-                        SIGMOID, BETA_SCALE, PREC)
-                else:
-                    _wu(v, u, gc, rs, xs, beta, bos, t0, T_seq, i_h, i_hv, o_i, r, (i_s - NSK) * BS, True, HV, V, HV, K, C,
-                        BS, SIGMOID, BETA_SCALE, PREC)
+    o_c = tl.arange(0, C)
+    # X is block lower triangular; the blocks above were never written
+    b_X = tl.load(xs + o_c[:, None] * C + o_c[None, :], mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16), other=0.0)
+    b_b = _beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)  # [C]
+    if i_s < NSK:  # w = X (beta k e^G)
+        o_d = i_s * BS + tl.arange(0, BS)
+        b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + _blocks_before(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d)
+        b_y = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * (b_b * tl.load(rs + C + o_c))[:, None] * tl.exp2(b_G)
+        _put(w, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+    else:  # u = X (beta v)
+        o_d = (i_s - NSK) * BS + tl.arange(0, BS)
+        b_y = _tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_d) * b_b[:, None]
+        _put(u, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
 
 
 def launch_options(table: dict, name: str, BK: int, BV: int) -> dict:
@@ -459,5 +426,5 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host) -> 
         NSK = triton.cdiv(K, BS)
         kda_fwd_wu_kernel[(NT_total, HV, NSK + triton.cdiv(V, BS))](
             k, v, beta, gc, rs, xs, w, u, H=H, K=K, V=V, BS=BS, NSK=NSK, SIGMOID=opts.beta_sigmoid,
-            BETA_SCALE=opts.beta_scale, PREC=PREC, WIDE=WU_WIDE, **where, **launch("wu", BK, BV))
+            BETA_SCALE=opts.beta_scale, PREC=PREC, **where, **launch("wu", BK, BV))
     return Prepared(w, u, qg, kd, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total)
