@@ -1,19 +1,46 @@
 #!/usr/bin/env bash
-# The GPU tier and the benchmarks in one go, on a machine with a CUDA GPU and torch + triton:
-#   benchmarks/run_gpu.sh OUTDIR "pytest selection" "bench suites" [pytest args...]
-# e.g. benchmarks/run_gpu.sh out "tests" "forward,backward,decode"
+# The benchmarks and the GPU tier in one go, on a machine with a CUDA GPU and torch + triton:
+#   benchmarks/run_gpu.sh OUTDIR ["bench suites"] ["pytest selection"] [pytest args...]
+# e.g. benchmarks/run_gpu.sh out "forward,decode,backward" "tests"
+#
+# Benchmarks first (suites in the order given; bench.json is rewritten after each suite), with a
+# Triton cache of their own that is packed into OUTDIR/tc.* (autotuning results included) and,
+# given back through FASTKDA_CACHE_IN=<folder of tc.* parts>, makes every first call warm next
+# time (fla-core's cold compilation and autotuning take 1.5-3 minutes per shape). Then the tests,
+# one line per test as it finishes (OUTDIR/gpu_tests.log), so a run cut short still says what
+# passed and what failed. Environment: FASTKDA_TEST_WORKERS (4), FASTKDA_TEST_TIMEOUT (whole
+# pytest run, 300 s), FASTKDA_BENCH_TIMEOUT (300 s), FASTKDA_BENCH_ARGS (extra bench_ops.py args).
 set -uo pipefail
 out=${1:?output directory}
-sel=${2:-tests}
-suites=${3:-forward}
+suites=${2:-forward}
+sel=${3:-tests}
 shift 3 || shift $#
 mkdir -p "$out"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${FASTKDA_TEST_WORKERS:-8}")
-# shellcheck disable=SC2086
-timeout "${FASTKDA_TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider $workers $sel "$@" >"$out/gpu_tests.log" 2>&1
-echo "pytest exit $?"; tail -n 30 "$out/gpu_tests.log"
+start=$(date +%s)
+stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
+
+bench_cache=$(mktemp -d)
+if [ -n "${FASTKDA_CACHE_IN:-}" ] && ls "$FASTKDA_CACHE_IN"/tc.* >/dev/null 2>&1; then
+    cat "$FASTKDA_CACHE_IN"/tc.* | tar xzf - -C "$bench_cache" && stamp "Triton cache restored"
+fi
 if [ -n "$suites" ] && [ "$suites" != "none" ]; then
-    timeout "${FASTKDA_BENCH_TIMEOUT:-300}" python3 benchmarks/bench_ops.py --suite "$suites" --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+    # shellcheck disable=SC2086
+    TRITON_CACHE_DIR=$bench_cache timeout "${FASTKDA_BENCH_TIMEOUT:-300}" \
+        python3 benchmarks/bench_ops.py --suite "$suites" --json "$out/bench.json" ${FASTKDA_BENCH_ARGS:-} 2>&1 \
+        | grep --line-buffered -v -i warn | tee "$out/bench.log"
+    stamp "benchmarks done"
+    (cd "$bench_cache" && tar czf - . | split -b 15m - "$out/tc.")
+    echo "packed Triton cache: $(du -ch "$out"/tc.* | tail -n 1 | cut -f1) in $(ls "$out"/tc.* | wc -l) parts"
+fi
+if [ -n "$sel" ] && [ "$sel" != "none" ]; then
+    workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${FASTKDA_TEST_WORKERS:-4}")
+    # shellcheck disable=SC2086
+    timeout "${FASTKDA_TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -v -rfs -W ignore $workers $sel "$@" \
+        2>&1 | grep --line-buffered -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error|error|assert" >"$out/gpu_tests.log"
+    stamp "tests done (pytest exit ${PIPESTATUS[0]})"
+    grep -c PASSED "$out/gpu_tests.log" | sed 's/^/passed: /'
+    grep -E "FAILED|ERROR" "$out/gpu_tests.log" | head -n 40
+    tail -n 3 "$out/gpu_tests.log"
 fi

@@ -16,25 +16,26 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from bench_ops import FORWARD, _impls, make  # noqa: E402
 
 
-def profile(fn, reps=5):
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as prof
+def kernel_times(fn, reps=5) -> dict:
+    """{kernel name: (GPU ms per call of fn, launches per call)} from the PyTorch profiler."""
+    from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with prof(activities=[ProfilerActivity.CUDA]) as p:
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    rows = {}
-    for e in p.key_averages():
-        if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
-            rows[e.key] = (e.self_device_time_total / reps / 1e3, e.count // reps)
-    total = sum(ms for ms, _ in rows.values())
+    return {e.key: (e.self_device_time_total / reps / 1e3, e.count // reps) for e in p.key_averages()
+            if e.device_type.name == "CUDA" and e.self_device_time_total > 0}
+
+
+def report(fn, reps=5):
+    rows = kernel_times(fn, reps)
     print(f"  {'kernel':60s} {'ms':>8s} {'calls':>6s}")
     for k, (ms, n) in sorted(rows.items(), key=lambda r: -r[1][0]):
         print(f"  {k[:60]:60s} {ms:8.3f} {n:6d}")
-    print(f"  {'total':60s} {total:8.3f}")
+    print(f"  {'total':60s} {sum(ms for ms, _ in rows.values()):8.3f}")
 
 
 def main():
@@ -49,12 +50,12 @@ def main():
         x, kw = make(B, T, H, seqlens, a.gate or gate, grad=a.backward)
         print(f"{lib}: forward, {a.case}")
         with torch.inference_mode():
-            profile(lambda: fn(**x, **kw))
+            report(lambda: fn(**x, **kw))
         if a.backward:
             leaves = [*x.values(), kw["A_log"], kw["dt_bias"]]
             do = torch.randn_like(x["v"])
             print(f"{lib}: forward + backward, {a.case}")
-            profile(lambda: torch.autograd.grad(fn(**x, **kw)[0], leaves, do))
+            report(lambda: torch.autograd.grad(fn(**x, **kw)[0], leaves, do))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from bench_ops import FORWARD, make  # noqa: E402
+from profile_kernels import kernel_times  # noqa: E402
 
 CONFIGS = [(2, None), (4, None), (8, None), (2, 128), (4, 128), (8, 128), (4, 96), (8, 96)]
 
@@ -39,19 +40,6 @@ def step(case, gate):
     leaves = [*x.values(), kw["A_log"], kw["dt_bias"]]
     do = torch.randn_like(x["v"])
     return lambda: torch.autograd.grad(fastkda.chunk_kda(**x, **kw)[0], leaves, do)
-
-
-def kernel_times(fn, reps=5):
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key: e.self_device_time_total / reps / 1e3 for e in p.key_averages()
-            if e.device_type.name == "CUDA" and ("kda_fwd" in e.key or "kda_bwd" in e.key)}
 
 
 def main():
@@ -91,8 +79,9 @@ def main():
         rows = {}
         for cfg in CONFIGS:
             apply(cfg)
-            for name, ms in kernel_times(fn).items():
-                rows.setdefault(name, {})[cfg] = ms
+            for name, (ms, _) in kernel_times(fn).items():
+                if "kda_fwd" in name or "kda_bwd" in name:
+                    rows.setdefault(name, {})[cfg] = ms
         print(f"\n{a.case}, {gate} gate {' '.join(a.set)}: ms per kernel and (warps, register cap)")
         print(f"{'kernel':28s}" + "".join(f"{str(c):>12s}" for c in CONFIGS))
         for name, row in sorted(rows.items()):
