@@ -319,7 +319,9 @@ def run(args):
               "backward": ("backward", lambda: bench_backward(pick(BACKWARD))),
               "decode": ("decode", lambda: bench_decode(DECODE))}
     for name in args.suite.split(","):  # in the order asked; the JSON is rewritten after each suite
-        key, fn = suites[name]
+        if name.strip() not in suites:
+            raise SystemExit(f"--suite: unknown suite {name.strip()!r}; choose from {', '.join(suites)}")
+        key, fn = suites[name.strip()]
         res["suites"][key] = fn()
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
@@ -398,9 +400,10 @@ def render_decode(res):
         a, b = r["fastkda"], r.get("fla") or {}
         ga, gb = a.get("graph_ms"), b.get("graph_ms")
         ratio = f"{gb / ga:.2f}x" if ga and gb else "-"
-        tb = a.get("graph_tbps") or a["tbps"]
+        tb = a.get("graph_tbps")
+        share = f"{tb:.2f} ({100 * tb / bw:.0f}%)" if tb else "-"
         md.append(f"| {r['N']} | {r['H']} / {r['HV']} | {f(a['ms'])} | {f(b.get('ms'))} | {f(ga)} | {f(gb)} | {ratio} | "
-                  f"{tb:.2f} ({100 * tb / bw:.0f}%) |")
+                  f"{share} |")
     if sweep:
         md += ["", "Launch options of the decode kernel at N=256, H=32 (graph replays): " + ", ".join(
             f"BV={c['BV']} {c['warps']} warps {f(c['graph_ms'])} ms" for c in sweep) + "."]

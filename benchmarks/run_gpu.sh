@@ -12,10 +12,10 @@
 # pytest run, 300 s), FASTKDA_BENCH_TIMEOUT (300 s), FASTKDA_BENCH_ARGS (extra bench_ops.py args).
 set -uo pipefail
 out=${1:?output directory}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
 suites=${2:-forward}
 sel=${3:-tests}
 shift 3 || shift $#
-mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 start=$(date +%s)
@@ -31,7 +31,7 @@ if [ -n "$suites" ] && [ "$suites" != "none" ]; then
         python3 benchmarks/bench_ops.py --suite "$suites" --json "$out/bench.json" ${FASTKDA_BENCH_ARGS:-} 2>&1 \
         | grep --line-buffered -v -i warn | tee "$out/bench.log"
     stamp "benchmarks done"
-    (cd "$bench_cache" && tar czf - . | split -b 15m - "$out/tc.")
+    tar czf - -C "$bench_cache" . | split -b 15m - "$out/tc."
     echo "packed Triton cache: $(du -ch "$out"/tc.* | tail -n 1 | cut -f1) in $(ls "$out"/tc.* | wc -l) parts"
 fi
 if [ -n "$sel" ] && [ "$sel" != "none" ]; then
