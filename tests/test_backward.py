@@ -110,7 +110,7 @@ def test_backward_deterministic(backend, rng):
 
 
 @pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
-@settings(max_examples=4 if not GPU else 20, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=4 if not GPU else 10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(dims=st.sampled_from([(16, 16), (32, 16), (16, 48)]), **OPTION_SPACE)
 def test_backward_random_combinations(backend, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims, seed):
     """Random points of the whole option space, gradients of every input."""
