@@ -72,12 +72,11 @@ def kda_bwd_v_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BS: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Phase A, row block r = program_id(2): the contractions over V."""
-    _, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
+    """Phase A, one row block r of a chunk: the contractions over V."""
+    r, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, C // 16)
     o_i = tl.arange(0, 16)
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BK)
-    r = tl.program_id(2)
     h += i_p * K * V
     dhs += i_p * K * V
     xs += i_p * C * C
@@ -133,7 +132,7 @@ def kda_bwd_k_kernel(
     SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Phase B: the contractions over K, row block by row block (dw is overwritten with dkg)."""
-    _, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
+    _, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
     i_h = i_hv // (HV // H)
     o_i = tl.arange(0, 16)
     o_c = tl.arange(0, C)
@@ -181,17 +180,16 @@ def kda_bwd_k_kernel(
 def kda_bwd_gate_kernel(
     q, k, g, A_log, dt_bias, gc, ga, rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam, s_yb, s_B,
     dg, dA_part, dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, T,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr,
-    HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, NSK: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
     EXACT: tl.constexpr, DIAG_PREC: tl.constexpr,
 ):
-    """Phase C, feature slice program_id(2): the gated products and the gate gradient; dq and dk of
+    """Phase C, one feature slice i_s of a chunk (NSK of them): the gated products and the gate gradient; dq and dk of
     this value head (before l2norm) replace dqg and dkd."""
-    _, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
+    i_s, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK)
     i_h = i_hv // (HV // H)
     o_i = tl.arange(0, 16)
     NC: tl.constexpr = C // 16
-    i_s = tl.program_id(2)
     rs += i_p * 2 * C
     s_dA += i_p * C * C
     s_dL += i_p * C * C
@@ -330,7 +328,7 @@ def kda_bwd_gate_kernel(
     if HAS_BIAS:
         tl.store(dbias_part + i_p * K + o_d, b_dbias, mask=m_d)
     if HAS_A:
-        tl.store(dA_part + i_p * tl.num_programs(2) + i_s, tl.sum(b_dA_sum, 0))
+        tl.store(dA_part + i_p * NSK + i_s, tl.sum(b_dA_sum, 0))
 
 
 
@@ -392,7 +390,7 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
         where = dict(cu_seqlens=cu_seqlens, chunk_indices=p.chunk_indices, T=T, HV=HV, C=C,
                      IS_VARLEN=cu_seqlens is not None, PREC=PREC)
         beta_kw = dict(SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale)
-        kda_bwd_v_kernel[(NT, HV, C // 16)](
+        kda_bwd_v_kernel[(NT * (C // 16), HV)](
             x.v, x.beta, p.u, vn, h, dhs, do, dvn, p.xs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, dv,
             scale=opts.scale, K=K, V=V, BK=BK, BV=BV, BS=BS, **beta_kw, **where, **launch_options(LAUNCH, "v", BK, BV))
         kda_bwd_k_kernel[(NT, HV)](
@@ -400,10 +398,10 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
             H=H, K=K, BK=BK, BS=BS, **beta_kw, **where, **launch_options(LAUNCH, "k", BK, BV))
         dA_part = new_empty(NT, HV, NSK, **f32) if x.A_log is not None else None
         exact = EXACT_PAIRS if EXACT_PAIRS is not None else x.q.dtype == torch.float32
-        kda_bwd_gate_kernel[(NT, HV, NSK)](
+        kda_bwd_gate_kernel[(NT * NSK, HV)](
             x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.ga, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam, s_yb, s_B,
             dg, dA_part, dbias_part, scale=opts.scale,
-            lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0, H=H, K=K, BS=BS,
+            lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0, H=H, K=K, BS=BS, NSK=NSK,
             GATE=gate_code(opts.gate), HAS_A=x.A_log is not None, HAS_BIAS=x.dt_bias is not None, SAFE=opts.safe_gate,
             EXACT=exact, DIAG_PREC=PREC if exact else "tf32x3", **where, **launch_options(LAUNCH, "gate", BK, BV))
     elif x.dt_bias is not None or x.A_log is not None:  # no tokens: zero parameter gradients

@@ -4,12 +4,12 @@ Four launches, each over every (chunk, value head) and, where the work splits fu
 chunk's 16-token blocks or its feature slices (small programs, few registers, many of them in
 flight on a GPU; one fused program per chunk ran register-bound at a handful of warps per SM):
 
-    gates    (chunk, head, block)   gate activation, its block-local cumulative sums (``gc``),
+    gates    (chunk, block, head)   gate activation, its block-local cumulative sums (``gc``),
                                     the activated gates (``ga``) and the row norms of q and k (``rs``)
-    intra    (chunk, head, block)   row block r of Aqk and Akk (diagonal block and the blocks
+    intra    (chunk, block, head)   row block r of Aqk and Akk (diagonal block and the blocks
                                     against earlier ones), q e^G and k e^(G_last - G)
     inverse  (chunk, head)          X = (I + Diag(beta) Akk)^-1 (float32) and the chunk decay
-    wu       (chunk, head, slice)   one feature slice of w or u
+    wu       (chunk, slice, head)   one feature slice of w or u
 
 Every tile is [16, BS] (features in slices of BS columns). l2norm, beta sigmoid and the gate
 activation are fused in. Per chunk it writes (docs/math.md section 2):
@@ -234,12 +234,16 @@ def _mm(a, b):
 
 
 @triton.jit
-def _program(cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(chunk, value head, slot of the pair in the per-chunk scratches, first token of the sequence,
-    its length, first token of the chunk within it) of this program."""
-    i_c, i_hv = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+def _program(cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexpr, IS_VARLEN: tl.constexpr,
+             NSUB: tl.constexpr):
+    """(part of the chunk, value head, slot of the pair in the per-chunk scratches, first token of
+    the sequence, its length, first token of the chunk within it) of this program. Grids are
+    (chunks * NSUB, value heads): the NSUB programs of one chunk (its row blocks or feature
+    slices) run side by side and share what they read through the L2 cache."""
+    i_hv = tl.program_id(1).to(tl.int64)
+    i_c, i_sub = tl.program_id(0).to(tl.int64) // NSUB, tl.program_id(0) % NSUB
     _, i_t, bos, T_seq = chunk_location(i_c, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
-    return i_c, i_hv, i_c * HV + i_hv, bos, T_seq, i_t * C
+    return i_sub, i_hv, i_c * HV + i_hv, bos, T_seq, i_t * C
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -248,11 +252,10 @@ def kda_fwd_gates_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """Block b = program_id(2) of a chunk: activated gates (ga), block-local cumulative sums (gc),
-    1/|q| and 1/|k| of its rows (rs)."""
-    i_c, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
+    """Block b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
+    of its rows (rs)."""
+    b, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, C // 16)
     i_h = i_hv // (HV // H)
-    b = tl.program_id(2)
     tb = t0 + 16 * b
     o_i = tl.arange(0, 16)
     if tb < T_seq:
@@ -268,11 +271,10 @@ def kda_fwd_intra_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
     SAFE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Row block r = program_id(2): Aqk (stored times scale) and Akk (to the scratch ls, which the
+    """Row block r of a chunk: Aqk (stored times scale) and Akk (to the scratch ls, which the
     backward reads too) against blocks j <= r; q e^G and k e^(G_last - G) of its rows."""
-    i_c, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
+    r, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, C // 16)
     i_h = i_hv // (HV // H)
-    r = tl.program_id(2)
     tr = t0 + 16 * r
     o_i = tl.arange(0, 16)
     NC: tl.constexpr = C // 16
@@ -296,7 +298,7 @@ def kda_fwd_inverse_kernel(
 ):
     """X = (I + L)^-1 with L = Diag(beta) Akk, row block by row block (float32, to the scratch xs):
     X_rr = (I + L_rr)^-1,  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj.  Then the chunk decay gl."""
-    i_c, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
+    _, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
     o_i = tl.arange(0, 16)
     NC: tl.constexpr = C // 16
     ls += i_p * C * C
@@ -329,14 +331,14 @@ def _blocks_before(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, 
 def kda_fwd_wu_kernel(
     k, v, beta, gc, rs, xs, w, u, cu_seqlens, chunk_indices, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BS: tl.constexpr,
-    NSK: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    NSK: tl.constexpr, NSV: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr,
 ):
-    """Slice i_s = program_id(2) of the chunk's w (the first NSK slices) or u (the rest), the whole
+    """Feature slice i_s of the chunk's w (the first NSK slices) or u (the rest, NSV), the whole
     chunk as one [C, C] x [C, BS] product (0.50 ms at B1 T8192 H64 on the H200, 8 warps; row block
     by row block, [16, 16] x [16, BS] products, took 0.71 ms)."""
-    i_c, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN)
+    i_s, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK + NSV)
     i_h = i_hv // (HV // H)
-    i_s = tl.program_id(2)
     NC: tl.constexpr = C // 16
     rs += i_p * 2 * C
     xs += i_p * C * C
@@ -414,17 +416,17 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host) -> 
         BS = min(SLICE, BK, BV)
         NC = C // 16
         where = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, HV=HV, C=C, IS_VARLEN=cu_seqlens is not None)
-        kda_fwd_gates_kernel[(NT_total, HV, NC)](
+        kda_fwd_gates_kernel[(NT_total * NC, HV)](
             q, k, g, A_log, dt_bias, gc, ga, rs, lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0,
             H=H, K=K, BK=BK, BS=BS, GATE=gate_code(opts.gate), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
             L2NORM=opts.qk_l2norm, **where, **launch("gates", BK, BV))
-        kda_fwd_intra_kernel[(NT_total, HV, NC)](
+        kda_fwd_intra_kernel[(NT_total * NC, HV)](
             q, k, gc, ga, rs, qg, kd, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate,
             L2NORM=opts.qk_l2norm, PREC=PREC, **where, **launch("intra", BK, BV))
         kda_fwd_inverse_kernel[(NT_total, HV)](
             beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, **where, **launch("inverse", BK, BV))
-        NSK = triton.cdiv(K, BS)
-        kda_fwd_wu_kernel[(NT_total, HV, NSK + triton.cdiv(V, BS))](
-            k, v, beta, gc, rs, xs, w, u, H=H, K=K, V=V, BS=BS, NSK=NSK, SIGMOID=opts.beta_sigmoid,
+        NSK, NSV = triton.cdiv(K, BS), triton.cdiv(V, BS)
+        kda_fwd_wu_kernel[(NT_total * (NSK + NSV), HV)](
+            k, v, beta, gc, rs, xs, w, u, H=H, K=K, V=V, BS=BS, NSK=NSK, NSV=NSV, SIGMOID=opts.beta_sigmoid,
             BETA_SCALE=opts.beta_scale, PREC=PREC, **where, **launch("wu", BK, BV))
     return Prepared(w, u, qg, kd, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total)
