@@ -1,8 +1,10 @@
 """Backward stage 2, chunk-parallel: every input gradient of one chunk from the state S entering it,
 the state gradient dH at its end (stage 1 of the backward) and the forward's stage-1 tensors.
 
-One program per (chunk, value head), the chunk walked in 16-token row blocks and 32-column
-feature slices, as in the forward's prepare stage. With v' = u - w S and dv' from stage 1
+Three launches over every chunk and value head, each program of the first and last also one
+part of its chunk (grids (chunks x parts, heads), prepare._program): phase A as state products
+per block of feature columns plus one program for the products within the chunk, phase B per
+chunk, phase C per feature slice of 32 columns. With v' = u - w S and dv' from stage 1
 (docs/math.md section 5 derives every line):
 
     phase A (contractions over V):  dqg = do S^T     dkd = v' dH^T     dw = -dv' S^T
@@ -31,7 +33,7 @@ from .scan import _state_ptrs
 from .prepare import SLICE, _beta, _blk, _bsums, _c, _program, _put, _tile, _x, launch_options
 
 # (warps, register cap or None) of each launch for K, V <= 128 (prepare.launch_options)
-LAUNCH = {"v": (2, None), "k": (2, 128), "gate": (2, 128)}  # tools/sweep_launch.py
+LAUNCH = {"v": (8, None), "k": (2, 128), "gate": (2, 128)}  # tools/sweep_launch.py; "v" not yet swept
 # Within-block pair terms of dg: summed exactly (i >= t > j, one column at a time) or as row sums
 # minus column sums of the block's products, whose rounding leaves a residue of the cancelling
 # pairs (float32 products: up to 2e-4 of dg at extreme gates on the CPU tier, within the 16-bit
@@ -69,59 +71,57 @@ def _mm(a, b, PREC: tl.constexpr):
 def kda_bwd_v_kernel(
     v, beta, u, vn, h, dhs, do, dvn, xs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, dv,
     cu_seqlens, chunk_indices, scale, T,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BS: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKS: tl.constexpr, NKS: tl.constexpr,
+    BV: tl.constexpr, BS: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr,
 ):
-    """Phase A, one row block r of a chunk: the contractions over V."""
-    r, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, C // 16)
-    o_i = tl.arange(0, 16)
+    """Phase A, the contractions over V, as [C, BS] x [BS, .] products of the whole chunk. Parts
+    0..NKS-1 of a chunk: the state products for BKS feature columns each (dqg, dkd, dw and the
+    chunk-decay gradient dgam); part NKS: the products within the chunk (dAqk, a, dv, dL, beta's
+    first terms)."""
+    i_part, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NKS + 1)
     o_c = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
-    h += i_p * K * V
-    dhs += i_p * K * V
-    xs += i_p * C * C
-    s_dA += i_p * C * C
-    s_dL += i_p * C * C
-    s_db += i_p * C
-    s_dgam += i_p * K
-    tr = t0 + 16 * r
-    b_b = _beta(beta, bos, tr, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)  # [16]
-    b_Xc = _xcol(xs, r, C, o_c, o_i)  # [C, 16]
-    b_dqg = tl.zeros([16, BK], tl.float32)
-    b_dkd = tl.zeros([16, BK], tl.float32)
-    b_dw = tl.zeros([16, BK], tl.float32)
-    b_dA = tl.zeros([16, C], tl.float32)
-    b_dL = tl.zeros([16, C], tl.float32)
-    b_db = tl.zeros([16], tl.float32)
-    for s in range(0, BV, BS):
-        o_v = s + tl.arange(0, BS)
-        b_S = _state(h, o_k, o_v, K, V)  # [BK, BS]
-        b_dH = _state(dhs, o_k, o_v, K, V)
-        b_do = _tile(do, bos, tr, T_seq, i_hv, HV, V, o_i, o_v)  # [16, BS]
-        b_dvn = _tile(dvn, bos, tr, T_seq, i_hv, HV, V, o_i, o_v)
-        b_vn = _tile(vn, bos, tr, T_seq, i_hv, HV, V, o_i, o_v)
-        b_dqg += _mm(b_do, tl.trans(b_S), PREC)
-        b_dkd += _mm(b_vn, tl.trans(b_dH), PREC)
-        b_dw -= _mm(b_dvn, tl.trans(b_S), PREC)
-        b_dA += _mm(b_do, tl.trans(_tile(vn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)), PREC)  # [16, C]
-        b_a = _mm(tl.trans(b_Xc), _tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), PREC)  # [16, BS]
-        _put(dv, b_b[:, None] * b_a, bos, tr, T_seq, i_hv, HV, V, o_i, o_v)
-        b_db += tl.sum(_tile(v, bos, tr, T_seq, i_hv, HV, V, o_i, o_v) * b_a, 1)
-        b_dL -= _mm(b_a, tl.trans(_tile(u, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)), PREC)
-    _put(s_dqg, b_dqg, bos, tr, T_seq, i_hv, HV, K, o_i, o_k)
-    _put(s_dkd, b_dkd, bos, tr, T_seq, i_hv, HV, K, o_i, o_k)
-    _put(s_dw, b_dw, bos, tr, T_seq, i_hv, HV, K, o_i, o_k)
-    # Aqk is stored times scale: its gradient goes to q and k times scale
-    tl.store(s_dA + (16 * r + o_i)[:, None] * C + o_c[None, :],
-             tl.where((16 * r + o_i)[:, None] >= o_c[None, :], b_dA * scale, 0.0))
-    tl.store(s_dL + (16 * r + o_i)[:, None] * C + o_c[None, :], b_dL)
-    tl.store(s_db + 16 * r + o_i, b_db)
-    if r == 0:  # the gradient of the chunk decay gl
-        b_dgam = tl.zeros([BK], tl.float32)
+    if i_part < NKS:
+        o_k = i_part * BKS + tl.arange(0, BKS)
+        h += i_p * K * V
+        dhs += i_p * K * V
+        b_dqg = tl.zeros([C, BKS], tl.float32)
+        b_dkd = tl.zeros([C, BKS], tl.float32)
+        b_dw = tl.zeros([C, BKS], tl.float32)
+        b_dgam = tl.zeros([BKS], tl.float32)  # gradient of the chunk decay gl
         for s in range(0, BV, BS):
             o_v = s + tl.arange(0, BS)
-            b_dgam += tl.sum(_state(h, o_k, o_v, K, V) * _state(dhs, o_k, o_v, K, V), 1)
-        tl.store(s_dgam + o_k, b_dgam, mask=o_k < K)
+            b_S = _state(h, o_k, o_v, K, V)  # [BKS, BS]
+            b_dH = _state(dhs, o_k, o_v, K, V)
+            b_dqg += _mm(_tile(do, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_S), PREC)
+            b_dkd += _mm(_tile(vn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_dH), PREC)
+            b_dw -= _mm(_tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_S), PREC)
+            b_dgam += tl.sum(b_S * b_dH, 1)
+        _put(s_dqg, b_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_k)
+        _put(s_dkd, b_dkd, bos, t0, T_seq, i_hv, HV, K, o_c, o_k)
+        _put(s_dw, b_dw, bos, t0, T_seq, i_hv, HV, K, o_c, o_k)
+        tl.store(s_dgam + i_p * K + o_k, b_dgam, mask=o_k < K)
+    else:
+        # X is block lower triangular; the blocks above were never written
+        b_X = tl.load(xs + i_p * C * C + o_c[:, None] * C + o_c[None, :],
+                      mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16), other=0.0)
+        b_b = _beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)  # [C]
+        b_dA = tl.zeros([C, C], tl.float32)
+        b_dL = tl.zeros([C, C], tl.float32)
+        b_db = tl.zeros([C], tl.float32)
+        for s in range(0, BV, BS):
+            o_v = s + tl.arange(0, BS)
+            b_vn = _tile(vn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)  # [C, BS]
+            b_dA += _mm(_tile(do, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_vn), PREC)
+            b_a = _mm(tl.trans(b_X), _tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), PREC)  # a = X^T dv'
+            _put(dv, b_b[:, None] * b_a, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)
+            b_db += tl.sum(_tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_v) * b_a, 1)
+            b_dL -= _mm(b_a, tl.trans(_tile(u, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)), PREC)
+        o_cc = i_p * C * C + o_c[:, None] * C + o_c[None, :]
+        # Aqk is stored times scale: its gradient goes to q and k times scale
+        tl.store(s_dA + o_cc, tl.where(o_c[:, None] >= o_c[None, :], b_dA * scale, 0.0))
+        tl.store(s_dL + o_cc, b_dL)
+        tl.store(s_db + i_p * C + o_c, b_db)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -390,9 +390,12 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
         where = dict(cu_seqlens=cu_seqlens, chunk_indices=p.chunk_indices, T=T, HV=HV, C=C,
                      IS_VARLEN=cu_seqlens is not None, PREC=PREC)
         beta_kw = dict(SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale)
-        kda_bwd_v_kernel[(NT * (C // 16), HV)](
+        BKS = min(64, BK)
+        NKS = triton.cdiv(K, BKS)
+        kda_bwd_v_kernel[(NT * (NKS + 1), HV)](
             x.v, x.beta, p.u, vn, h, dhs, do, dvn, p.xs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, dv,
-            scale=opts.scale, K=K, V=V, BK=BK, BV=BV, BS=BS, **beta_kw, **where, **launch_options(LAUNCH, "v", BK, BV))
+            scale=opts.scale, K=K, V=V, BKS=BKS, NKS=NKS, BV=BV, BS=BS, **beta_kw, **where,
+            **launch_options(LAUNCH, "v", BK, BV))
         kda_bwd_k_kernel[(NT, HV)](
             x.k, x.beta, p.w, p.gc, p.ls, p.xs, p.rs, s_dw, s_dL, s_db, dbeta,
             H=H, K=K, BK=BK, BS=BS, **beta_kw, **where, **launch_options(LAUNCH, "k", BK, BV))
