@@ -33,8 +33,13 @@ def _record_launches(path: str):
 
     def recording_run(self, *args, grid, warmup, **kwargs):
         sig, consts = {}, {}
-        for name, a in zip(self.arg_names, args):
-            if isinstance(a, torch.Tensor):
+        opts = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+        notes = getattr(self.fn, "__annotations__", {})
+        bound = {**dict(zip(self.arg_names, args)), **{k: v for k, v in kwargs.items() if k not in opts}}
+        for name, a in bound.items():
+            if "constexpr" in str(notes.get(name, "")):
+                consts[name] = a if isinstance(a, (int, float, str, bool)) or a is None else f"tl:{a}"  # a tl.dtype
+            elif isinstance(a, torch.Tensor):
                 sig[name] = "*" + names[a.dtype]
             elif a is None:
                 consts[name] = None
@@ -44,10 +49,6 @@ def _record_launches(path: str):
                 sig[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
             else:
                 sig[name] = "fp32"
-        opts = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
-        for k, v in kwargs.items():
-            if k not in opts:
-                consts[k] = v if isinstance(v, (int, float, str, bool)) or v is None else f"tl:{v}"  # a tl.dtype
         rec = {"module": self.fn.__module__, "name": self.fn.__name__, "signature": sig, "constexprs": consts,
                "options": opts}
         with open(path, "a") as f:
