@@ -2,7 +2,7 @@
 the state gradient dH at its end (stage 1 of the backward) and the forward's stage-1 tensors.
 
 Three launches over every chunk and value head, each program of the first and last also one
-part of its chunk (grids (chunks x parts, heads), prepare._program): phase A as state products
+part of its chunk (grids (chunks x parts, heads), common.chunk_program): phase A as state products
 per block of feature columns plus one program for the products within the chunk, phase B per
 chunk, phase C per feature slice of 32 columns. With v' = u - w S and dv' from stage 1
 (docs/math.md section 5 derives every line):
@@ -28,11 +28,11 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import gate_backward, gate_code, pow2, row_of
+from .common import block_lower, chunk_program, gate_backward, gate_code, launch_options, pow2, row_of
 from .scan import _state_ptrs
-from .prepare import SLICE, _beta, _blk, _bsums, _c, _program, _put, _tile, _x, launch_options
+from .prepare import SLICE, _beta, _blk, _bsums, _c, _put, _tile, _x
 
-# (warps, register cap or None) of each launch for K, V <= 128 (prepare.launch_options)
+# (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
 LAUNCH = {"v": (8, None), "k": (2, 128), "gate": (2, 128)}  # tools/sweep_launch.py; "v" not yet swept
 # Within-block pair terms of dg: summed exactly (i >= t > j, one column at a time) or as row sums
 # minus column sums of the block's products, whose rounding leaves a residue of the cancelling
@@ -79,7 +79,7 @@ def kda_bwd_v_kernel(
     0..NKS-1 of a chunk: the state products for BKS feature columns each (dqg, dkd, dw and the
     chunk-decay gradient dgam); part NKS: the products within the chunk (dAqk, a, dv, dL, beta's
     first terms)."""
-    i_part, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NKS + 1)
+    i_part, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NKS + 1)
     o_c = tl.arange(0, C)
     if i_part < NKS:
         o_k = i_part * BKS + tl.arange(0, BKS)
@@ -102,9 +102,7 @@ def kda_bwd_v_kernel(
         _put(s_dw, b_dw, bos, t0, T_seq, i_hv, HV, K, o_c, o_k)
         tl.store(s_dgam + i_p * K + o_k, b_dgam, mask=o_k < K)
     else:
-        # X is block lower triangular; the blocks above were never written
-        b_X = tl.load(xs + i_p * C * C + o_c[:, None] * C + o_c[None, :],
-                      mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16), other=0.0)
+        b_X = block_lower(xs + i_p * C * C, o_c, C)  # X is block lower triangular
         b_b = _beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)  # [C]
         b_dA = tl.zeros([C, C], tl.float32)
         b_dL = tl.zeros([C, C], tl.float32)
@@ -132,7 +130,7 @@ def kda_bwd_k_kernel(
     SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Phase B: the contractions over K, row block by row block (dw is overwritten with dkg)."""
-    _, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
+    _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
     i_h = i_hv // (HV // H)
     o_i = tl.arange(0, 16)
     o_c = tl.arange(0, C)
@@ -181,12 +179,12 @@ def kda_bwd_gate_kernel(
     q, k, g, A_log, dt_bias, gc, ga, rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam, s_yb, s_B,
     dg, dA_part, dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, NSK: tl.constexpr,
-    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    EXACT: tl.constexpr, DIAG_PREC: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr, EXACT: tl.constexpr, DIAG_PREC: tl.constexpr,
 ):
-    """Phase C, one feature slice i_s of a chunk (NSK of them): the gated products and the gate gradient; dq and dk of
-    this value head (before l2norm) replace dqg and dkd."""
-    i_s, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK)
+    """Phase C, one feature slice i_s of a chunk (NSK of them): the gated products and the gate
+    gradient; dq and dk of this value head (before l2norm) replace dqg and dkd."""
+    i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK)
     i_h = i_hv // (HV // H)
     o_i = tl.arange(0, 16)
     NC: tl.constexpr = C // 16

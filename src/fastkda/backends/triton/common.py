@@ -99,6 +99,26 @@ def sequence_location(i_n, cu_seqlens, chunk_offsets, T, C: tl.constexpr, IS_VAR
 
 
 @triton.jit
+def chunk_program(cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexpr, IS_VARLEN: tl.constexpr,
+                  NSUB: tl.constexpr):
+    """(part of the chunk, value head, slot of the pair in the per-chunk scratches, first token of
+    the sequence, its length, first token of the chunk within it) of this program. Grids are
+    (chunks * NSUB, value heads): the NSUB programs of one chunk (its row blocks or feature
+    slices) run side by side and share what they read through the L2 cache."""
+    i_hv = tl.program_id(1).to(tl.int64)
+    i_c, i_sub = tl.program_id(0).to(tl.int64) // NSUB, tl.program_id(0) % NSUB
+    _, i_t, bos, T_seq = chunk_location(i_c, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    return i_sub, i_hv, i_c * HV + i_hv, bos, T_seq, i_t * C
+
+
+@triton.jit
+def block_lower(x, o_c, C: tl.constexpr):
+    """A chunk's [C, C] float32 scratch of 16 x 16 blocks, the blocks on and below the diagonal (the
+    ones above are never written) and zeros above."""
+    return tl.load(x + o_c[:, None] * C + o_c[None, :], mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16), other=0.0)
+
+
+@triton.jit
 def mma(x, DT: tl.constexpr, EMU: tl.constexpr):
     """x as a matrix-product operand of dtype DT. The interpreter's bfloat16 products are wrong
     (they multiply raw bits), so with EMU the rounding to DT is kept and the product is float32."""
@@ -141,6 +161,15 @@ def chunk_tables(cu_host: torch.Tensor, C: int, device) -> tuple[torch.Tensor, t
     lens = tuple(cu[i + 1] - cu[i] for i in range(len(cu) - 1))
     ci, co = _chunk_tables(lens, C, str(device))
     return ci, co, ci.shape[0]
+
+
+def launch_options(table: dict, name: str, BK: int, BV: int) -> dict:
+    """Launch options of kernel ``name`` from a (warps, register cap) table: at least 4 warps for
+    features beyond 128 (the tiles grow with them)."""
+    warps, maxnreg = table[name]
+    if max(BK, BV) > 128:
+        warps, maxnreg = max(warps, 4), None
+    return dict(num_warps=warps, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
 def pow2(n: int, lo: int = 16) -> int:

@@ -11,7 +11,7 @@ flight on a GPU; one fused program per chunk ran register-bound at a handful of 
     inverse  (chunk, head)          X = (I + Diag(beta) Akk)^-1 (float32) and the chunk decay
     wu       (chunk, slice, head)   one feature slice of w or u
 
-Every tile is [16, BS] (features in slices of BS columns). l2norm, beta sigmoid and the gate
+Tiles are [16, BS] (features in slices of BS columns), [C, BS] in the w/u kernel. l2norm, beta sigmoid and the gate
 activation are fused in. Per chunk it writes (docs/math.md section 2):
 
     w   = X (beta k e^G)          [C, K]   u  = X (beta v)      [C, V]
@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import activate_gate, chunk_location, chunk_tables, gate_code, pow2, row_of
+from .common import (activate_gate, block_lower, chunk_program, chunk_tables, gate_code, launch_options, pow2,
+                     row_of)
 
 # (warps, register cap or None) of each launch for K, V <= 128; beyond, at least 4 warps
 LAUNCH = {"gates": (4, None), "intra": (2, None), "inverse": (2, None), "wu": (8, None)}  # tools/sweep_launch.py
@@ -233,19 +234,6 @@ def _mm(a, b):
     return tl.dot(a, b, input_precision="ieee")
 
 
-@triton.jit
-def _program(cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexpr, IS_VARLEN: tl.constexpr,
-             NSUB: tl.constexpr):
-    """(part of the chunk, value head, slot of the pair in the per-chunk scratches, first token of
-    the sequence, its length, first token of the chunk within it) of this program. Grids are
-    (chunks * NSUB, value heads): the NSUB programs of one chunk (its row blocks or feature
-    slices) run side by side and share what they read through the L2 cache."""
-    i_hv = tl.program_id(1).to(tl.int64)
-    i_c, i_sub = tl.program_id(0).to(tl.int64) // NSUB, tl.program_id(0) % NSUB
-    _, i_t, bos, T_seq = chunk_location(i_c, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
-    return i_sub, i_hv, i_c * HV + i_hv, bos, T_seq, i_t * C
-
-
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_gates_kernel(
     q, k, g, A_log, dt_bias, gc, ga, rs, cu_seqlens, chunk_indices, lower_bound, T,
@@ -254,7 +242,7 @@ def kda_fwd_gates_kernel(
 ):
     """Block b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
     of its rows (rs)."""
-    b, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, C // 16)
+    b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, C // 16)
     i_h = i_hv // (HV // H)
     tb = t0 + 16 * b
     o_i = tl.arange(0, 16)
@@ -273,7 +261,7 @@ def kda_fwd_intra_kernel(
 ):
     """Row block r of a chunk: Aqk (stored times scale) and Akk (to the scratch ls, which the
     backward reads too) against blocks j <= r; q e^G and k e^(G_last - G) of its rows."""
-    r, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, C // 16)
+    r, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, C // 16)
     i_h = i_hv // (HV // H)
     tr = t0 + 16 * r
     o_i = tl.arange(0, 16)
@@ -298,7 +286,7 @@ def kda_fwd_inverse_kernel(
 ):
     """X = (I + L)^-1 with L = Diag(beta) Akk, row block by row block (float32, to the scratch xs):
     X_rr = (I + L_rr)^-1,  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj.  Then the chunk decay gl."""
-    _, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
+    _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
     o_i = tl.arange(0, 16)
     NC: tl.constexpr = C // 16
     ls += i_p * C * C
@@ -337,14 +325,13 @@ def kda_fwd_wu_kernel(
     """Feature slice i_s of the chunk's w (the first NSK slices) or u (the rest, NSV), the whole
     chunk as one [C, C] x [C, BS] product (0.50 ms at B1 T8192 H64 on the H200, 8 warps; row block
     by row block, [16, 16] x [16, BS] products, took 0.71 ms)."""
-    i_s, i_hv, i_p, bos, T_seq, t0 = _program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK + NSV)
+    i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK + NSV)
     i_h = i_hv // (HV // H)
     NC: tl.constexpr = C // 16
     rs += i_p * 2 * C
     xs += i_p * C * C
     o_c = tl.arange(0, C)
-    # X is block lower triangular; the blocks above were never written
-    b_X = tl.load(xs + o_c[:, None] * C + o_c[None, :], mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16), other=0.0)
+    b_X = block_lower(xs, o_c, C)  # X is block lower triangular
     b_b = _beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)  # [C]
     if i_s < NSK:  # w = X (beta k e^G)
         o_d = i_s * BS + tl.arange(0, BS)
@@ -355,19 +342,6 @@ def kda_fwd_wu_kernel(
         o_d = (i_s - NSK) * BS + tl.arange(0, BS)
         b_y = _tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_d) * b_b[:, None]
         _put(u, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
-
-
-def launch_options(table: dict, name: str, BK: int, BV: int) -> dict:
-    """Launch options of kernel ``name`` from a (warps, register cap) table: at least 4 warps for
-    features beyond 128 (the tiles grow with them)."""
-    warps, maxnreg = table[name]
-    if max(BK, BV) > 128:
-        warps, maxnreg = max(warps, 4), None
-    return dict(num_warps=warps, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))
-
-
-def launch(name, BK, BV):
-    return launch_options(LAUNCH, name, BK, BV)
 
 
 class Prepared(NamedTuple):
@@ -419,14 +393,15 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host) -> 
         kda_fwd_gates_kernel[(NT_total * NC, HV)](
             q, k, g, A_log, dt_bias, gc, ga, rs, lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0,
             H=H, K=K, BK=BK, BS=BS, GATE=gate_code(opts.gate), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
-            L2NORM=opts.qk_l2norm, **where, **launch("gates", BK, BV))
+            L2NORM=opts.qk_l2norm, **where, **launch_options(LAUNCH, "gates", BK, BV))
         kda_fwd_intra_kernel[(NT_total * NC, HV)](
             q, k, gc, ga, rs, qg, kd, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate,
-            L2NORM=opts.qk_l2norm, PREC=PREC, **where, **launch("intra", BK, BV))
+            L2NORM=opts.qk_l2norm, PREC=PREC, **where, **launch_options(LAUNCH, "intra", BK, BV))
         kda_fwd_inverse_kernel[(NT_total, HV)](
-            beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, **where, **launch("inverse", BK, BV))
+            beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, **where,
+            **launch_options(LAUNCH, "inverse", BK, BV))
         NSK, NSV = triton.cdiv(K, BS), triton.cdiv(V, BS)
         kda_fwd_wu_kernel[(NT_total * (NSK + NSV), HV)](
             k, v, beta, gc, rs, xs, w, u, H=H, K=K, V=V, BS=BS, NSK=NSK, NSV=NSV, SIGMOID=opts.beta_sigmoid,
-            BETA_SCALE=opts.beta_scale, PREC=PREC, **where, **launch("wu", BK, BV))
+            BETA_SCALE=opts.beta_scale, PREC=PREC, **where, **launch_options(LAUNCH, "wu", BK, BV))
     return Prepared(w, u, qg, kd, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total)
