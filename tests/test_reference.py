@@ -55,3 +55,20 @@ def test_gate_references_match_formulas(rng):
     assert bool(((lb >= -3.0) & (lb <= 0)).all())
     check("lower-bound gate, no A_log", naive_kda_lowerbound_gate(g, None, b, -3.0, torch.float64),
           -3.0 / (1 + torch.exp(-x)), 1e-12)
+
+
+@pytest.mark.parametrize("case", CASES[1:4], ids=Case.describe)
+def test_chunked_gradients_equal_recurrent(case, rng):
+    """The GPU tier differentiates the chunked reference: its gradients equal the per-token ones."""
+    x = make_inputs(case, requires_grad=True, generator=rng)
+    leaves = {n: t for n, t in x.items() if isinstance(t, torch.Tensor) and t.requires_grad}
+    grads = []
+    for chunked in (False, True):
+        o, s = reference(x, chunked=chunked, chunk_size=case.chunk_size)
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=o.dtype)
+        loss = (o * do).sum() + (s.square().sum() if s is not None else 0)
+        grads.append(torch.autograd.grad(loss, list(leaves.values()), allow_unused=True))
+    for name, got, want in zip(leaves, grads[1], grads[0]):
+        assert (got is None) == (want is None), name
+        if want is not None:
+            check(f"d{name}", got, want, 1e-10)

@@ -194,11 +194,9 @@ def naive_chunk_kda(
             Akk = torch.einsum("hik,hjk,hijk->hij", kc, kc, decay) * below
             Aqk = scale * torch.einsum("hik,hjk,hijk->hij", qc, kc, decay)
             L = bc[:, :, None] * Akk
-            # forward substitution of (I + L) X = rhs, row by row
+            # (I + L) X = rhs by a unit lower-triangular solve (differentiable, unlike row updates in place)
             rhs = torch.cat([bc[..., None] * kc * G.exp(), bc[..., None] * vc], -1)
-            X = torch.zeros_like(rhs)
-            for i in range(c):
-                X[:, i] = rhs[:, i] - torch.einsum("hj,hjd->hd", L[:, i, :i], X[:, :i])
+            X = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
             w, u = X[..., :K], X[..., K:]
             vn = u - w @ S
             o[b, cs:ce] = (scale * (qc * G.exp()) @ S + Aqk @ vn).transpose(0, 1)

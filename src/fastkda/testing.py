@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -253,9 +254,10 @@ def reference(inputs: dict, chunked: bool | None = None, chunk_size: int = 64, *
     """The float64 reference for the keyword arguments of a call (``make_inputs`` output): the
     per-token recurrence, or (``chunked``) the chunked form, which the CPU tier checks against the
     per-token one to 1e-10 on every option. By default the per-token one on the CPU and the chunked
-    one for GPU tensors, whose real shapes make a per-token loop (under autograd, too) slow."""
+    one for GPU tensors, whose real shapes make a per-token loop (under autograd, too) slow;
+    ``FASTKDA_TEST_CHUNKED=1`` makes the chunked one the default on the CPU too."""
     if chunked is None:
-        chunked = inputs["q"].is_cuda and not extra
+        chunked = (inputs["q"].is_cuda or os.environ.get("FASTKDA_TEST_CHUNKED") == "1") and not extra
     kw = {k: inputs[k] for k in _REF_KEYS if k in inputs}
     if kw.get("initial_state") is not None:
         kw["initial_state"] = kw["initial_state"].double()
