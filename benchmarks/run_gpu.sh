@@ -8,7 +8,8 @@
 # given back through FASTKDA_CACHE_IN=<folder of tc.* parts>, makes every first call warm next
 # time (fla-core's cold compilation and autotuning take 1.5-3 minutes per shape). Then the tests,
 # one line per test as it finishes (OUTDIR/gpu_tests.log), so a run cut short still says what
-# passed and what failed. Environment: FASTKDA_TEST_WORKERS (4), FASTKDA_TEST_TIMEOUT (whole
+# passed and what failed, and OUTDIR/failures.log why, as each failure happens.
+# Environment: FASTKDA_TEST_WORKERS (4), FASTKDA_TEST_TIMEOUT (whole
 # pytest run, 300 s), FASTKDA_BENCH_TIMEOUT (300 s), FASTKDA_BENCH_ARGS (extra bench_ops.py args).
 set -uo pipefail
 out=${1:?output directory}
@@ -36,11 +37,17 @@ if [ -n "$suites" ] && [ "$suites" != "none" ]; then
 fi
 if [ -n "$sel" ] && [ "$sel" != "none" ]; then
     workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${FASTKDA_TEST_WORKERS:-4}")
-    # shellcheck disable=SC2086
-    timeout "${FASTKDA_TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -v -rfs -W ignore $workers $sel "$@" \
-        2>&1 | grep --line-buffered -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error|error|assert" >"$out/gpu_tests.log"
-    stamp "tests done (pytest exit ${PIPESTATUS[0]})"
+    deadline=$(( $(date +%s) + ${FASTKDA_TEST_TIMEOUT:-300} ))
+    : >"$out/gpu_tests.log"
+    # the tests in parallel workers, then those marked bigmem one at a time (they would crowd the GPU)
+    for pass in "not bigmem|$workers" "bigmem|"; do
+        # shellcheck disable=SC2086
+        FASTKDA_FAILURE_LOG="$out/failures.log" timeout $(( deadline - $(date +%s) )) python3 -m pytest -p no:cacheprovider \
+            -v -rfs -W ignore -m "${pass%%|*}" ${pass#*|} $sel "$@" 2>&1 \
+            | grep --line-buffered -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error|error|assert" >>"$out/gpu_tests.log"
+        stamp "tests (-m '${pass%%|*}') done (pytest exit ${PIPESTATUS[0]})"
+    done
     grep -c PASSED "$out/gpu_tests.log" | sed 's/^/passed: /'
     grep -E "FAILED|ERROR" "$out/gpu_tests.log" | head -n 40
-    tail -n 3 "$out/gpu_tests.log"
+    grep -E "passed|failed" "$out/gpu_tests.log" | grep -v PASSED | tail -n 4
 fi

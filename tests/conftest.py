@@ -62,6 +62,15 @@ if os.environ.get("FASTKDA_RECORD_LAUNCHES") and os.environ.get("TRITON_INTERPRE
     _record_launches(os.environ["FASTKDA_RECORD_LAUNCHES"])
 
 
+def pytest_runtest_logreport(report):
+    """With FASTKDA_FAILURE_LOG set, every failure's report is appended there as it happens (a GPU
+    run cut short by a time limit still says why its tests failed)."""
+    path = os.environ.get("FASTKDA_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):  # once, from the controller
+        with open(path, "a") as f:
+            f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="GPU tier: needs a CUDA device")
     for item in items:
@@ -74,6 +83,8 @@ def _poison_outputs():
     """Every output a kernel allocates starts as NaN."""
     with poisoned():
         yield
+    if GPU:  # hand cached blocks back: test workers share one GPU
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture

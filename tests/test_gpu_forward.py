@@ -37,6 +37,7 @@ def test_real_shapes(backend, name, rng):
     check("final_state", s, s_ref, tol_for(case.dtype, backend))
 
 
+@pytest.mark.bigmem
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_more_than_2_31_elements(backend):
     """q, k, v, g of 2^31 + elements: a last short sequence sits past every 32-bit offset."""
