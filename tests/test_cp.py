@@ -45,18 +45,21 @@ def _worker(rank, world, port, lens, seed, backend_name, grads, errfile):
         if grads:
             full = torch.autograd.grad((o_full * do.double()).sum(), [x64[n] for n in names])
             scales = gate_param_scales(x, full[names.index("g")])
-        ctx = CPContext(cu_seqlens=cu)
+        # compiled Triton kernels want CUDA tensors (every rank on the one GPU; gloo moves CUDA tensors too)
+        dev = "cuda" if backend_name == "triton" and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+        ctx = CPContext(cu_seqlens=cu.to(dev))
         lo, hi = ctx.lo, ctx.hi
-        shard = {n: (t.detach()[:, lo:hi].requires_grad_(grads) if n in ("q", "k", "v", "g", "beta")
-                     else (t.detach().requires_grad_(grads) if isinstance(t, torch.Tensor) else t)) for n, t in x.items()}
+        shard = {n: (t.detach()[:, lo:hi].to(dev).requires_grad_(grads) if n in ("q", "k", "v", "g", "beta")
+                     else (t.detach().to(dev).requires_grad_(grads) if isinstance(t, torch.Tensor) else t))
+                 for n, t in x.items()}
         with use_backend(backend_name):
             o, s = chunk_kda(**shard, cp_context=ctx)
         assert s is None
-        err = rel_rms(o, o_full[:, lo:hi].detach())
+        err = rel_rms(o.cpu(), o_full[:, lo:hi].detach())
         assert err < 2e-5, f"rank {rank}: output error {err:.2e}"
         if grads:
-            got = torch.autograd.grad((o * do[:, lo:hi]).sum(), [shard[n] for n in names])
-            for n, gl, gf in zip(names, got, full):
+            got = torch.autograd.grad((o * do[:, lo:hi].to(dev)).sum(), [shard[n] for n in names])
+            for n, gl, gf in zip(names, [t.cpu() for t in got], full):
                 if n in ("A_log", "dt_bias"):  # shared parameters: the ranks' gradients add up
                     gl = gl.clone()
                     dist.all_reduce(gl)
