@@ -1,5 +1,7 @@
 """The command line: fastkda check and fastkda bench, end to end at tiny sizes."""
 
+import pytest
+
 from fastkda.cli import main
 
 
@@ -14,9 +16,20 @@ def test_bench_writes_table_and_plot(tmp_path, capsys):
     assert main(["bench", "--device", "cpu", "--seqlens", "32,64", "--heads", "1", "--dim", "16",
                  "--repeats", "1", "--backward", "--out", str(out)]) == 0
     md = (out / "bench.md").read_text()
-    assert "| chunk | fastkda | 64 |" in md and "reference loop" in md and "forward+backward" in md
+    assert "| chunk | fastkda (torch) | 64 |" in md and "reference loop" in md and "forward+backward" in md
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_bench_forced_backend_named(tmp_path, monkeypatch):
+    """--backend forces fastkda's backend and the table names it; without it FASTKDA_BACKEND holds."""
+    args = ["bench", "--device", "cpu", "--seqlens", "32", "--heads", "1", "--dim", "16", "--ops", "recurrent",
+            "--repeats", "1"]
+    assert main([*args, "--backend", "torch", "--out", str(tmp_path / "a")]) == 0
+    assert "| recurrent | fastkda (torch) | 32 |" in (tmp_path / "a" / "bench.md").read_text()
+    monkeypatch.setenv("FASTKDA_BACKEND", "nope")
+    with pytest.raises(RuntimeError, match="unknown fastkda backend .nope."):
+        main([*args, "--out", str(tmp_path / "b")])
 
 
 def test_unknown_command(capsys):

@@ -1,7 +1,8 @@
 """``fastkda bench``: time the operators on this machine over a sweep of sequence lengths.
 
-Implementations: fastkda (automatic backend), fla-core's ``fla.ops.kda`` when it is installed and
-the device is a GPU, and the per-token reference loop otherwise (float32, short lengths only).
+Implementations: fastkda (the backend it picks for the call, named in the table, or the one forced
+with ``--backend``), fla-core's ``fla.ops.kda`` when it is installed and the device is a GPU, and
+the per-token reference loop otherwise (float32, short lengths only).
 Prints a table and writes ``bench.md`` and ``bench.png`` (time against sequence length, one line
 per implementation) into ``--out``.
 """
@@ -9,16 +10,19 @@ per implementation) into ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
+import textwrap
 import time
 
 import torch
 import torch.nn.functional as F
 
 from . import platform
-from .api import chunk_kda, fused_recurrent_kda
+from .api import chunk_kda, explain, fused_recurrent_kda
+from .backends import use_backend
 from .naive import naive_recurrent_kda
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -86,6 +90,8 @@ def run(args) -> list[dict]:
         for name, fn in _impls(op, device).items():
             if name == "reference loop" and T > args.max_reference_len:
                 continue
+            if name == "fastkda":  # say which backend served it
+                name = f"fastkda ({explain(fn, **x, use_qk_l2norm_in_kernel=True)[0]})"
 
             def call(fn=fn):
                 o, _ = fn(**x, use_qk_l2norm_in_kernel=True) if name != "reference loop" else fn(**x)
@@ -125,7 +131,7 @@ def plot(rows, path, title):
     ax.set_yscale("log")
     ax.set_xlabel("sequence length T")
     ax.set_ylabel("time (ms)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 80), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -143,6 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES))
     p.add_argument("--backward", action="store_true", help="time forward+backward of chunk_kda")
+    p.add_argument("--backend", default=None, help="force one fastkda backend (as FASTKDA_BACKEND), e.g. triton")
     p.add_argument("--repeats", type=int, default=5, help="timed runs on the CPU")
     p.add_argument("--max-reference-len", type=int, default=1024)
     p.add_argument("--out", default="bench-out")
@@ -152,7 +159,8 @@ def main(argv=None) -> int:
             p.error(f"--ops takes chunk and/or recurrent, got {op!r}")
     if args.dtype is None:
         args.dtype = "bf16" if (args.device or platform.device) != "cpu" else "fp32"
-    rows = run(args)
+    with use_backend(args.backend) if args.backend else contextlib.nullcontext():  # else FASTKDA_BACKEND holds
+        rows = run(args)
     md = report(rows, args)
     print(md)
     os.makedirs(args.out, exist_ok=True)

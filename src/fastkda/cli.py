@@ -4,6 +4,7 @@ the best available device; a pass/fail table. ``fastkda bench``: see :mod:`fastk
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
@@ -68,7 +69,7 @@ def check(argv=None) -> int:
     print(header)
     print("-" * len(header))
     failed, t0 = 0, time.perf_counter()
-    with use_backend(args.backend):
+    with use_backend(args.backend) if args.backend else contextlib.nullcontext():  # else FASTKDA_BACKEND holds
         for i, name in enumerate(names):
             case = grow(AXES[name], device != "cpu")
             if device != "cpu" and case.T > 2048:
