@@ -3,14 +3,18 @@
 #   benchmarks/run_gpu.sh OUTDIR ["bench suites"] ["pytest selection"] [pytest args...]
 # e.g. benchmarks/run_gpu.sh out "forward,decode,backward" "tests"
 #
-# Benchmarks first (suites in the order given; bench.json is rewritten after each suite), with a
-# Triton cache of their own that is packed into OUTDIR/tc.* (autotuning results included) and,
+# Benchmarks first (suites in the order given; bench.json is rewritten after each suite), then the
+# tests, both with one Triton cache (autotuning results included) that is packed into OUTDIR/tc.*
+# (after the benchmarks, and again after the tests if it still fits FASTKDA_CACHE_MAX_MB, 60) and,
 # given back through FASTKDA_CACHE_IN=<folder of tc.* parts>, makes every first call warm next
-# time (fla-core's cold compilation and autotuning take 1.5-3 minutes per shape). Then the tests,
-# one line per test as it finishes (OUTDIR/gpu_tests.log), so a run cut short still says what
-# passed and what failed, and OUTDIR/failures.log why, as each failure happens.
-# Environment: FASTKDA_TEST_WORKERS (4), FASTKDA_TEST_TIMEOUT (whole
-# pytest run, 300 s), FASTKDA_BENCH_TIMEOUT (300 s), FASTKDA_BENCH_ARGS (extra bench_ops.py args).
+# time (fla-core's cold compilation and autotuning take 1.5-3 minutes per shape; the test tier
+# compiles hundreds of kernel variants). Tests print one line each as they finish
+# (OUTDIR/gpu_tests.log), so a run cut short still says what passed and what failed, and
+# OUTDIR/failures.log says why, as each failure happens. Tests marked bigmem run after the others,
+# one at a time.
+# Environment: FASTKDA_TEST_WORKERS (4), FASTKDA_TEST_TIMEOUT (all pytest runs, 300 s),
+# FASTKDA_BENCH_TIMEOUT (300 s), FASTKDA_BENCH_ARGS (extra bench_ops.py args), FASTKDA_CACHE_IN,
+# FASTKDA_CACHE_MAX_MB.
 set -uo pipefail
 out=${1:?output directory}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
@@ -23,6 +27,11 @@ start=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
 
 bench_cache=$(mktemp -d)
+pack() {  # the Triton cache into OUTDIR/tc.* (15 MB parts), replacing an earlier packing
+    rm -f "$out"/tc.*
+    tar czf - -C "$bench_cache" . | split -b 15m - "$out/tc."
+    echo "packed Triton cache: $(du -ch "$out"/tc.* | tail -n 1 | cut -f1) in $(ls "$out"/tc.* | wc -l) parts"
+}
 if [ -n "${FASTKDA_CACHE_IN:-}" ] && ls "$FASTKDA_CACHE_IN"/tc.* >/dev/null 2>&1; then
     cat "$FASTKDA_CACHE_IN"/tc.* | tar xzf - -C "$bench_cache" && stamp "Triton cache restored"
 fi
@@ -32,8 +41,7 @@ if [ -n "$suites" ] && [ "$suites" != "none" ]; then
         python3 benchmarks/bench_ops.py --suite "$suites" --json "$out/bench.json" ${FASTKDA_BENCH_ARGS:-} 2>&1 \
         | grep --line-buffered -v -i warn | tee "$out/bench.log"
     stamp "benchmarks done"
-    tar czf - -C "$bench_cache" . | split -b 15m - "$out/tc."
-    echo "packed Triton cache: $(du -ch "$out"/tc.* | tail -n 1 | cut -f1) in $(ls "$out"/tc.* | wc -l) parts"
+    pack
 fi
 if [ -n "$sel" ] && [ "$sel" != "none" ]; then
     workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${FASTKDA_TEST_WORKERS:-4}")
@@ -42,11 +50,13 @@ if [ -n "$sel" ] && [ "$sel" != "none" ]; then
     # the tests in parallel workers, then those marked bigmem one at a time (they would crowd the GPU)
     for pass in "not bigmem|$workers" "bigmem|"; do
         # shellcheck disable=SC2086
-        FASTKDA_FAILURE_LOG="$out/failures.log" timeout $(( deadline - $(date +%s) )) python3 -m pytest -p no:cacheprovider \
+        TRITON_CACHE_DIR=$bench_cache FASTKDA_FAILURE_LOG="$out/failures.log" timeout $(( deadline - $(date +%s) )) python3 -m pytest -p no:cacheprovider \
             -v -rfs -W ignore -m "${pass%%|*}" ${pass#*|} $sel "$@" 2>&1 \
             | grep --line-buffered -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error|error|assert" >>"$out/gpu_tests.log"
         stamp "tests (-m '${pass%%|*}') done (pytest exit ${PIPESTATUS[0]})"
     done
+    # the tests' kernels too, unless that makes the packing too big to carry (then the benchmarks' stays)
+    if [ "$(tar czf - -C "$bench_cache" . | wc -c)" -le $(( ${FASTKDA_CACHE_MAX_MB:-60} * 1000000 )) ]; then pack; fi
     grep -c PASSED "$out/gpu_tests.log" | sed 's/^/passed: /'
     grep -E "FAILED|ERROR" "$out/gpu_tests.log" | head -n 40
     grep -E "passed|failed" "$out/gpu_tests.log" | grep -v PASSED | tail -n 4
