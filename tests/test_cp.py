@@ -20,9 +20,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, lens, seed, backend_name, grads, errfile):
+def _worker(rank, world, port, lens, seed, backend_name, grads, errfile, fused_max):
     try:
         torch.set_num_threads(1)
+        if fused_max is not None:  # the identity run as a call of its own instead of extra value columns
+            from fastkda.distributed import cp
+
+            cp.FUSED_MAX_COLUMNS = fused_max
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))  # a mismatch fails instead of hanging
         from fastkda import chunk_kda, use_backend
@@ -78,11 +82,11 @@ def _worker(rank, world, port, lens, seed, backend_name, grads, errfile):
     os._exit(0)
 
 
-def _spawn(world, lens, backend="torch", grads=True, tmp_path=None):
+def _spawn(world, lens, backend="torch", grads=True, tmp_path=None, fused_max=None):
     errfile = str(tmp_path / "err.txt")
     seed = int(os.environ.get("FASTKDA_TEST_SEED") or int.from_bytes(os.urandom(3), "little"))
     try:
-        mp.spawn(_worker, args=(world, _free_port(), lens, seed, backend, grads, errfile), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), lens, seed, backend, grads, errfile, fused_max), nprocs=world, join=True)
     except Exception as e:
         msg = open(errfile).read() if os.path.exists(errfile) else ""
         pytest.fail(f"seed={seed} lens={lens}: {type(e).__name__}: {e}\n{msg}")
@@ -101,6 +105,12 @@ def test_cp_gloo_forward_backward(world, lens, tmp_path):
     _spawn(world, lens, tmp_path=tmp_path)
 
 
+@pytest.mark.parametrize("world,lens", [(2, [37, 90, 1]), (4, [5, 150, 0, 60, 41])])
+def test_cp_identity_run_separate(world, lens, tmp_path):
+    """V + K above the fused width: the identity run goes as a call of its own, same results."""
+    _spawn(world, lens, tmp_path=tmp_path, fused_max=0)
+
+
 def test_cp_gloo_triton(tmp_path):
     """The Triton backend (interpreter) serves the ranks' forward and backward."""
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
@@ -117,7 +127,7 @@ def test_torchrun_example_and_exchange_volume():
     env = {**os.environ, "PYTHONPATH": os.path.join(root, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          os.path.join(root, "examples", "context_parallel.py")],
         capture_output=True, text=True, timeout=600, env=env,
     )
@@ -136,7 +146,7 @@ def test_cp_nccl_example():
     n = min(torch.cuda.device_count(), 8)
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", str(_free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
          os.path.join(root, "examples", "context_parallel.py"), "--cuda", "--seqlens", "7000,1000,192"],
         capture_output=True, text=True, timeout=900, env=env,
     )

@@ -6,7 +6,8 @@ shard from a zero state; the true state entering the shard is recovered from one
 - a segment's state map is affine, ``S_end = A S_in + B`` with ``A = prod_t (I - beta_t k_t k_t^T)
   Diag(exp(g_t))`` (K x K per value head). ``B`` is the segment's final state from zero, ``A`` the
   final state of the same segment run with ``v = 0`` from ``S_in = I``; that run's outputs are
-  ``A_{1..t}^T scale q_t``, so the output correction for a true ``S_in`` is one product.
+  ``A_{1..t}^T scale q_t``, so the output correction for a true ``S_in`` is one product. The
+  identity run travels as K extra value columns of the shard's own call (V + K <= 256).
 - every rank contributes (A, B) of its last segment to one all-gather (autograd-aware, so the
   backward routes state gradients back across ranks the same way), then composes the maps of the
   ranks before it: ``S_in(r) = A_{r-1} S_in(r-1) + B_{r-1}``, reset to 0 where a sequence starts
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CPContext"]
+
+FUSED_MAX_COLUMNS = 256  # the widest V the Triton kernels take: up to this, the identity run shares the call
 
 
 @dataclass
@@ -92,19 +95,29 @@ def chunk_kda_cp(run, q, k, v, g, beta, kw: dict, ctx: CPContext):
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     dev = q.device
     cu = ctx.local_cu_seqlens(dev)
-    o, finals = run(q, k, v, g, beta, cu_seqlens=cu, initial_state=None, output_final_state=True,
-                    state_v_first=False, **kw)
     L0 = ctx.first_len
     carried_in = not ctx.fresh[ctx.rank]
     spans = len(ctx.local_cu) == 2  # one segment covers the whole shard
     A_first = Q_eff = None
-    if carried_in:
-        # the first segment from S_in = I with v = 0: final state A, outputs A_{1..t}^T scale q_t
-        eye = torch.eye(K, device=dev, dtype=torch.float32).expand(1, HV, K, K).contiguous()
-        sl = slice(0, L0)
-        zeros_v = q.new_zeros(1, L0, HV, K, dtype=v.dtype)
-        Q_eff, A_first = run(q[:, sl], k[:, sl], zeros_v, g[:, sl], beta[:, sl], cu_seqlens=None, initial_state=eye,
-                             output_final_state=True, state_v_first=False, **kw)
+    eye = torch.eye(K, device=dev, dtype=torch.float32)
+    if carried_in and V + K <= FUSED_MAX_COLUMNS:
+        # the first segment from S_in = I with v = 0 (final state A, outputs A_{1..t}^T scale q_t) as
+        # K extra value columns of the same call: state columns evolve independently, so stage 1
+        # (gates, Akk, the inverse, w) is shared and only u and the scan grow to V + K columns
+        h0 = torch.zeros(len(ctx.local_cu) - 1, HV, K, V + K, device=dev, dtype=torch.float32)
+        h0[0, :, :, V:] = eye
+        o_ext, finals_ext = run(q, k, torch.cat([v, v.new_zeros(*v.shape[:3], K)], -1), g, beta, cu_seqlens=cu,
+                                initial_state=h0, output_final_state=True, state_v_first=False, **kw)
+        o, finals = o_ext[..., :V], finals_ext[..., :V]
+        Q_eff, A_first = o_ext[:, :L0, :, V:], finals_ext[:1, :, :, V:]
+    else:
+        o, finals = run(q, k, v, g, beta, cu_seqlens=cu, initial_state=None, output_final_state=True,
+                        state_v_first=False, **kw)
+        if carried_in:  # too wide for one call: the identity run on its own
+            sl = slice(0, L0)
+            Q_eff, A_first = run(q[:, sl], k[:, sl], q.new_zeros(1, L0, HV, K, dtype=v.dtype), g[:, sl], beta[:, sl],
+                                 cu_seqlens=None, initial_state=eye.expand(1, HV, K, K).contiguous(),
+                                 output_final_state=True, state_v_first=False, **kw)
     # this rank's outgoing map S_out = A_out S_in + B_out; A_out = 0 unless one carried-in segment spans the shard
     A_out = A_first[0] if spans and carried_in else torch.zeros(HV, K, K, device=dev, dtype=torch.float32)
     B_out = finals[-1]
