@@ -1,12 +1,18 @@
 """The KimiDeltaAttention layer: forward/backward, prefill + decode == one forward, varlen ==
-per-sequence runs, the short convolution against its definition, checkpoint A_log shapes."""
+per-sequence runs, the short convolution against its definition and through the causal-conv1d
+interface, checkpoint A_log shapes."""
+
+import sys
+import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import DEVICE, GPU
 from helpers import check
 
 from fastkda.layers import KDACache, KimiDeltaAttention, ShortConvolution
+from fastkda.layers import kda as kda_layer
 
 DIMS = dict(hidden_size=64, num_heads=2, head_dim=16, num_v_heads=4, conv_size=4)
 
@@ -97,3 +103,110 @@ def test_layer_bf16_gpu(rng):
     x = torch.randn(2, 300, 64, generator=rng).to(DEVICE, torch.bfloat16)
     ref = layer(torch.float32, lower_bound=-5.0, mode="chunk")(x.float())
     check("bf16 layer", m(x).float(), ref, 3e-2)
+
+
+def _stand_in_causal_conv1d(calls):
+    """A PyTorch stand-in for the causal-conv1d package, with its interface and its input rules
+    (channels contiguous when initial states or seq_idx are given; not both; the state updated in
+    place and of the input's dtype), so the layer's use of it is tested without a GPU."""
+    mod = types.ModuleType("causal_conv1d")
+
+    def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                         final_states_out=None, activation=None):
+        calls.append("fn")
+        assert x.dim() == 3 and weight.shape == (x.shape[1], weight.shape[1]) and activation in (None, "silu")
+        assert seq_idx is None or initial_states is None, "seq_idx takes no initial states"
+        if seq_idx is not None or initial_states is not None:
+            assert x.stride(1) == 1, "channels must be contiguous"
+        B, D, T = x.shape
+        W = weight.shape[1]
+        init = initial_states if initial_states is not None else x.new_zeros(B, D, W - 1)
+        xp = torch.cat([init, x], 2)
+        if seq_idx is not None:  # zero the inputs of another sequence inside every window
+            s = torch.cat([seq_idx.new_full((B, W - 1), -1), seq_idx], 1)
+            win = xp.unfold(2, W, 1)  # [B, D, T, W]
+            same = s.unfold(1, W, 1) == seq_idx[..., None]  # [B, T, W]
+            y = (win * same[:, None] * weight[None, :, None, :]).sum(-1)
+            y = y + (bias[None, :, None] if bias is not None else 0)
+        else:
+            y = F.conv1d(xp, weight[:, None, :], bias, groups=D)
+        y = F.silu(y) if activation else y
+        return (y, xp[..., -(W - 1):].contiguous()) if return_final_states else y
+
+    def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                             conv_state_indices=None):
+        calls.append("update")
+        assert x.dim() == 2 and conv_state.dtype == x.dtype
+        xp = torch.cat([conv_state, x[..., None]], -1)  # [B, D, W]
+        y = (xp * weight).sum(-1) + (bias if bias is not None else 0)
+        conv_state.copy_(xp[..., 1:])
+        return F.silu(y) if activation else y
+
+    mod.causal_conv1d_fn, mod.causal_conv1d_update = causal_conv1d_fn, causal_conv1d_update
+    return mod
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_short_convolution_through_causal_conv1d(bias, rng, monkeypatch):
+    """With the package "installed" (a stand-in) the convolution takes its kernels where they apply
+    and gives the PyTorch path's outputs, caches and gradients; a varlen batch with a cache stays on
+    the PyTorch path."""
+    conv = ShortConvolution(8, 4, bias=bias).to(DEVICE)
+    with torch.no_grad():
+        if bias:
+            conv.bias.normal_()
+    x = torch.randn(2, 11, 8, generator=rng).to(DEVICE)
+    cache = torch.randn(2, 8, 3, generator=rng).to(DEVICE)
+    cu = torch.tensor([0, 5, 5, 16, 22], device=DEVICE)
+    xv = torch.randn(1, 22, 8, generator=rng).to(DEVICE)
+    cases = {  # name: (x, kwargs, route through the package)
+        "dense": (x, dict(), "fn"),
+        "dense, cache, final": (x, dict(cache=cache, output_final_state=True), "fn"),
+        "decode step": (x[:, :1], dict(cache=cache, output_final_state=True), "update"),
+        "varlen, final": (xv, dict(cu_seqlens=cu, output_final_state=True), "fn"),
+        "varlen, cache": (xv, dict(cu_seqlens=cu, cache=torch.randn(4, 8, 3, generator=rng).to(DEVICE)), None),
+    }
+    calls = []
+    for name, (xi, kw, route) in cases.items():
+        grad = name != "decode step"
+        xi = xi.clone().requires_grad_(grad)
+        monkeypatch.setattr(kda_layer, "EXTERNAL_CONV_DEVICES", ())
+        with torch.set_grad_enabled(grad):
+            y_ref, c_ref = conv(xi, **kw)
+        monkeypatch.setattr(kda_layer, "EXTERNAL_CONV_DEVICES", (torch.device(DEVICE).type,))
+        monkeypatch.setitem(sys.modules, "causal_conv1d", _stand_in_causal_conv1d(calls))
+        calls.clear()
+        with torch.set_grad_enabled(grad):
+            y, c = conv(xi, **kw)
+        monkeypatch.delitem(sys.modules, "causal_conv1d")
+        assert calls == ([route] if route else []), name
+        check(f"{name}: y", y, y_ref, 1e-6)
+        assert (c is None) == (c_ref is None), name
+        if c is not None:
+            check(f"{name}: cache", c, c_ref, 1e-6)
+            assert c.dtype == c_ref.dtype
+        if grad:
+            g = torch.randn(y.shape, generator=rng).to(y)
+            dx_ref, dw_ref = torch.autograd.grad(y_ref, [xi, conv.weight], g)
+            dx, dw = torch.autograd.grad(y, [xi, conv.weight], g)
+            check(f"{name}: dx", dx, dx_ref, 1e-6)
+            check(f"{name}: dweight", dw, dw_ref, 1e-6)
+    assert torch.equal(cases["decode step"][1]["cache"], cache)  # the decode step left the caller's cache as it was
+
+
+@pytest.mark.skipif(not GPU, reason="GPU tier")
+@pytest.mark.gpu
+def test_causal_conv1d_package_matches_torch(rng, monkeypatch):
+    """Where the causal-conv1d package is installed: its kernels against the PyTorch path, bf16."""
+    pytest.importorskip("causal_conv1d")
+    conv = ShortConvolution(256, 4).to(DEVICE, torch.bfloat16)
+    x = torch.randn(2, 300, 256, generator=rng).to(DEVICE, torch.bfloat16)
+    cache = torch.randn(2, 256, 3, generator=rng).to(DEVICE, torch.bfloat16)
+    y, c = conv(x, cache=cache, output_final_state=True)
+    y1, c1 = conv(x[:, :1], cache=cache, output_final_state=True)
+    monkeypatch.setattr(kda_layer, "EXTERNAL_CONV_DEVICES", ())
+    y_ref, c_ref = conv(x, cache=cache, output_final_state=True)
+    y1_ref, c1_ref = conv(x[:, :1], cache=cache, output_final_state=True)
+    check("y", y.float(), y_ref.float(), 1e-2)
+    check("decode y", y1.float(), y1_ref.float(), 1e-2)
+    assert torch.equal(c, c_ref) and torch.equal(c1, c1_ref)

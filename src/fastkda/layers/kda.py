@@ -33,6 +33,19 @@ def _seq_starts(T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor
     return cu[seq]
 
 
+EXTERNAL_CONV_DEVICES = ("cuda",)  # where the causal-conv1d package's kernels run
+
+
+def _causal_conv1d():
+    """``(causal_conv1d_fn, causal_conv1d_update)`` of the causal-conv1d package, or None when it is
+    not installed."""
+    try:
+        from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+    except ImportError:
+        return None
+    return causal_conv1d_fn, causal_conv1d_update
+
+
 class ShortConvolution(nn.Module):
     """Causal depthwise 1-D convolution over time with SiLU, sequence- and cache-aware.
 
@@ -40,6 +53,11 @@ class ShortConvolution(nn.Module):
     ``cu_seqlens`` no window reaches into the previous sequence. ``cache`` ``[N, hidden,
     kernel_size - 1]`` holds the inputs before the first token of every sequence; the new cache
     (the last ``kernel_size - 1`` inputs, older ones from the old cache) is returned when asked.
+
+    On CUDA tensors, with the causal-conv1d package installed and a kernel size of 2 to 4, its
+    kernels do the work (``causal_conv1d_update`` for one-token decode steps without gradients,
+    ``causal_conv1d_fn`` otherwise); a varlen batch with a cache stays on the PyTorch path, since
+    the package's varlen form takes no initial states.
     """
 
     def __init__(self, hidden_size: int, kernel_size: int = 4, bias: bool = False, activation: str | None = "silu"):
@@ -54,6 +72,9 @@ class ShortConvolution(nn.Module):
     def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, output_final_state: bool = False,
                 cu_seqlens: torch.Tensor | None = None):
         """x: ``[B, T, hidden]`` (B = 1 with ``cu_seqlens``). Returns ``(y, new_cache or None)``."""
+        external = self._external(x, cache, output_final_state, cu_seqlens)
+        if external is not None:
+            return external
         B, T, D = x.shape
         W = self.kernel_size
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -82,6 +103,39 @@ class ShortConvolution(nn.Module):
         if output_final_state:
             new_cache = self._final_cache(x, cache, cu_seqlens)
         return y, new_cache
+
+    def _external(self, x, cache, output_final_state, cu_seqlens):
+        """The causal-conv1d kernels' ``(y, new_cache)`` where they apply, else None."""
+        if x.device.type not in EXTERNAL_CONV_DEVICES or not 2 <= self.kernel_size <= 4:
+            return None
+        if cu_seqlens is not None and cache is not None:
+            return None
+        fns = _causal_conv1d()
+        if fns is None:
+            return None
+        conv_fn, update_fn = fns
+        B, T, D = x.shape
+        w = self.weight[:, 0, :].to(x.dtype)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        grads = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if cu_seqlens is None and T == 1 and cache is not None and not grads:  # a decode step
+            state = cache.to(x.dtype).clone()  # the kernel updates it in place; the caller's cache stays
+            y = update_fn(x[:, 0], state, w, bias, activation=self.activation)
+            return y[:, None], (state.to(cache.dtype) if output_final_state else None)
+        xt = x.contiguous().transpose(1, 2)  # [B, D, T], channels contiguous ("channel last")
+        if cu_seqlens is not None:
+            seq_idx = torch.searchsorted(cu_seqlens.to(x.device, torch.long)[1:], torch.arange(T, device=x.device),
+                                         right=True).to(torch.int32)[None]
+            y = conv_fn(xt, w, bias, seq_idx=seq_idx, activation=self.activation).transpose(1, 2)
+            final = None
+            if output_final_state:
+                final = self._final_cache(x, x.new_zeros(cu_seqlens.numel() - 1, D, self.kernel_size - 1), cu_seqlens)
+            return y, final
+        init = None if cache is None else cache.to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        if output_final_state:
+            y, final = conv_fn(xt, w, bias, initial_states=init, return_final_states=True, activation=self.activation)
+            return y.transpose(1, 2), final.to(cache.dtype if cache is not None else x.dtype)
+        return conv_fn(xt, w, bias, initial_states=init, activation=self.activation).transpose(1, 2), None
 
     def _final_cache(self, x, cache, cu_seqlens):
         W = self.kernel_size
