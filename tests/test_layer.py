@@ -2,7 +2,6 @@
 per-sequence runs, the short convolution against its definition and through the causal-conv1d
 interface, checkpoint A_log shapes."""
 
-import sys
 import types
 
 import pytest
@@ -174,11 +173,12 @@ def test_short_convolution_through_causal_conv1d(bias, rng, monkeypatch):
         with torch.set_grad_enabled(grad):
             y_ref, c_ref = conv(xi, **kw)
         monkeypatch.setattr(kda_layer, "EXTERNAL_CONV_DEVICES", (torch.device(DEVICE).type,))
-        monkeypatch.setitem(sys.modules, "causal_conv1d", _stand_in_causal_conv1d(calls))
+        stand_in = _stand_in_causal_conv1d(calls)
+        monkeypatch.setattr(kda_layer, "CAUSAL_CONV1D", (stand_in.causal_conv1d_fn, stand_in.causal_conv1d_update))
         calls.clear()
         with torch.set_grad_enabled(grad):
             y, c = conv(xi, **kw)
-        monkeypatch.delitem(sys.modules, "causal_conv1d")
+        monkeypatch.setattr(kda_layer, "CAUSAL_CONV1D", None)
         assert calls == ([route] if route else []), name
         check(f"{name}: y", y, y_ref, 1e-6)
         assert (c is None) == (c_ref is None), name
@@ -199,6 +199,7 @@ def test_short_convolution_through_causal_conv1d(bias, rng, monkeypatch):
 def test_causal_conv1d_package_matches_torch(rng, monkeypatch):
     """Where the causal-conv1d package is installed: its kernels against the PyTorch path, bf16."""
     pytest.importorskip("causal_conv1d")
+    assert kda_layer.CAUSAL_CONV1D is not None
     conv = ShortConvolution(256, 4).to(DEVICE, torch.bfloat16)
     x = torch.randn(2, 300, 256, generator=rng).to(DEVICE, torch.bfloat16)
     cache = torch.randn(2, 256, 3, generator=rng).to(DEVICE, torch.bfloat16)

@@ -46,6 +46,9 @@ def _causal_conv1d():
     return causal_conv1d_fn, causal_conv1d_update
 
 
+CAUSAL_CONV1D = _causal_conv1d()  # looked up once: no import inside a forward that torch.compile traces
+
+
 class ShortConvolution(nn.Module):
     """Causal depthwise 1-D convolution over time with SiLU, sequence- and cache-aware.
 
@@ -110,10 +113,9 @@ class ShortConvolution(nn.Module):
             return None
         if cu_seqlens is not None and cache is not None:
             return None
-        fns = _causal_conv1d()
-        if fns is None:
+        if CAUSAL_CONV1D is None:
             return None
-        conv_fn, update_fn = fns
+        conv_fn, update_fn = CAUSAL_CONV1D
         B, T, D = x.shape
         w = self.weight[:, 0, :].to(x.dtype)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
