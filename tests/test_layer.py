@@ -2,7 +2,6 @@
 per-sequence runs, the short convolution against its definition and through the causal-conv1d
 interface, checkpoint A_log shapes."""
 
-import types
 
 import pytest
 import torch
@@ -105,10 +104,9 @@ def test_layer_bf16_gpu(rng):
 
 
 def _stand_in_causal_conv1d(calls):
-    """A PyTorch stand-in for the causal-conv1d package, with its interface and its input rules
-    (channels contiguous when initial states or seq_idx are given; not both; the state updated in
-    place and of the input's dtype), so the layer's use of it is tested without a GPU."""
-    mod = types.ModuleType("causal_conv1d")
+    """A PyTorch stand-in for the causal-conv1d package's ``causal_conv1d_fn``, with its interface
+    and input rules (channels contiguous when initial states or seq_idx are given; not both), so
+    the layer's use of it is tested without a GPU."""
 
     def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
                          final_states_out=None, activation=None):
@@ -132,24 +130,14 @@ def _stand_in_causal_conv1d(calls):
         y = F.silu(y) if activation else y
         return (y, xp[..., -(W - 1):].contiguous()) if return_final_states else y
 
-    def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
-                             conv_state_indices=None):
-        calls.append("update")
-        assert x.dim() == 2 and conv_state.dtype == x.dtype
-        xp = torch.cat([conv_state, x[..., None]], -1)  # [B, D, W]
-        y = (xp * weight).sum(-1) + (bias if bias is not None else 0)
-        conv_state.copy_(xp[..., 1:])
-        return F.silu(y) if activation else y
-
-    mod.causal_conv1d_fn, mod.causal_conv1d_update = causal_conv1d_fn, causal_conv1d_update
-    return mod
+    return causal_conv1d_fn
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_short_convolution_through_causal_conv1d(bias, rng, monkeypatch):
-    """With the package "installed" (a stand-in) the convolution takes its kernels where they apply
-    and gives the PyTorch path's outputs, caches and gradients; a varlen batch with a cache stays on
-    the PyTorch path."""
+    """With the package "installed" (a stand-in) the convolution takes its kernel where it applies
+    and gives the PyTorch path's outputs, caches and gradients; a varlen batch with a cache, a
+    hidden size that does not divide by 8 and float64 stay on the PyTorch path."""
     conv = ShortConvolution(8, 4, bias=bias).to(DEVICE)
     with torch.no_grad():
         if bias:
@@ -161,20 +149,21 @@ def test_short_convolution_through_causal_conv1d(bias, rng, monkeypatch):
     cases = {  # name: (x, kwargs, route through the package)
         "dense": (x, dict(), "fn"),
         "dense, cache, final": (x, dict(cache=cache, output_final_state=True), "fn"),
-        "decode step": (x[:, :1], dict(cache=cache, output_final_state=True), "update"),
+        "decode step": (x[:, :1], dict(cache=cache, output_final_state=True), "fn"),
         "varlen, final": (xv, dict(cu_seqlens=cu, output_final_state=True), "fn"),
         "varlen, cache": (xv, dict(cu_seqlens=cu, cache=torch.randn(4, 8, 3, generator=rng).to(DEVICE)), None),
+        "float64": (x.double(), dict(), None),
     }
     calls = []
     for name, (xi, kw, route) in cases.items():
-        grad = name != "decode step"
+        grad = name not in ("decode step", "float64")
         xi = xi.clone().requires_grad_(grad)
+        conv.to(xi.dtype)
         monkeypatch.setattr(kda_layer, "EXTERNAL_CONV_DEVICES", ())
         with torch.set_grad_enabled(grad):
             y_ref, c_ref = conv(xi, **kw)
         monkeypatch.setattr(kda_layer, "EXTERNAL_CONV_DEVICES", (torch.device(DEVICE).type,))
-        stand_in = _stand_in_causal_conv1d(calls)
-        monkeypatch.setattr(kda_layer, "CAUSAL_CONV1D", (stand_in.causal_conv1d_fn, stand_in.causal_conv1d_update))
+        monkeypatch.setattr(kda_layer, "CAUSAL_CONV1D", _stand_in_causal_conv1d(calls))
         calls.clear()
         with torch.set_grad_enabled(grad):
             y, c = conv(xi, **kw)
@@ -192,6 +181,11 @@ def test_short_convolution_through_causal_conv1d(bias, rng, monkeypatch):
             check(f"{name}: dx", dx, dx_ref, 1e-6)
             check(f"{name}: dweight", dw, dw_ref, 1e-6)
     assert torch.equal(cases["decode step"][1]["cache"], cache)  # the decode step left the caller's cache as it was
+    odd = ShortConvolution(12, 4).to(DEVICE)  # 12 channels: not for the package's kernel
+    calls.clear()
+    monkeypatch.setattr(kda_layer, "CAUSAL_CONV1D", _stand_in_causal_conv1d(calls))
+    odd(torch.randn(1, 5, 12, generator=rng).to(DEVICE))
+    assert calls == []
 
 
 @pytest.mark.skipif(not GPU, reason="GPU tier")

@@ -13,6 +13,7 @@ checkpoints (see docs/layer.md for the mapping).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -37,13 +38,14 @@ EXTERNAL_CONV_DEVICES = ("cuda",)  # where the causal-conv1d package's kernels r
 
 
 def _causal_conv1d():
-    """``(causal_conv1d_fn, causal_conv1d_update)`` of the causal-conv1d package, or None when it is
-    not installed."""
+    """``causal_conv1d_fn`` of the causal-conv1d package when it is installed and takes initial
+    states (version 1.4 on), else None."""
     try:
-        from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+        from causal_conv1d import causal_conv1d_fn
     except ImportError:
         return None
-    return causal_conv1d_fn, causal_conv1d_update
+    params = inspect.signature(causal_conv1d_fn).parameters
+    return causal_conv1d_fn if {"initial_states", "return_final_states", "seq_idx"} <= set(params) else None
 
 
 CAUSAL_CONV1D = _causal_conv1d()  # looked up once: no import inside a forward that torch.compile traces
@@ -57,10 +59,11 @@ class ShortConvolution(nn.Module):
     kernel_size - 1]`` holds the inputs before the first token of every sequence; the new cache
     (the last ``kernel_size - 1`` inputs, older ones from the old cache) is returned when asked.
 
-    On CUDA tensors, with the causal-conv1d package installed and a kernel size of 2 to 4, its
-    kernels do the work (``causal_conv1d_update`` for one-token decode steps without gradients,
-    ``causal_conv1d_fn`` otherwise); a varlen batch with a cache stays on the PyTorch path, since
-    the package's varlen form takes no initial states.
+    On CUDA tensors, with the causal-conv1d package installed, a kernel size of 2 to 4, 16- or
+    32-bit floats and a hidden size that divides by 8, its ``causal_conv1d_fn`` does the work (the
+    cache as initial states; sequence indices for a varlen batch). Decode steps take the same call
+    (its one-token update function changed its state layout across versions). A varlen batch with a
+    cache, and code that ``torch.compile`` traces, stay on the PyTorch path.
     """
 
     def __init__(self, hidden_size: int, kernel_size: int = 4, bias: bool = False, activation: str | None = "silu"):
@@ -108,36 +111,29 @@ class ShortConvolution(nn.Module):
         return y, new_cache
 
     def _external(self, x, cache, output_final_state, cu_seqlens):
-        """The causal-conv1d kernels' ``(y, new_cache)`` where they apply, else None."""
-        if x.device.type not in EXTERNAL_CONV_DEVICES or not 2 <= self.kernel_size <= 4:
-            return None
-        if cu_seqlens is not None and cache is not None:
-            return None
-        if CAUSAL_CONV1D is None:
-            return None
-        conv_fn, update_fn = CAUSAL_CONV1D
+        """The causal-conv1d kernel's ``(y, new_cache)`` where it applies, else None."""
         B, T, D = x.shape
+        if (CAUSAL_CONV1D is None or x.device.type not in EXTERNAL_CONV_DEVICES or not 2 <= self.kernel_size <= 4
+                or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or D % 8
+                or (cu_seqlens is not None and cache is not None) or torch.compiler.is_compiling()):
+            return None
         w = self.weight[:, 0, :].to(x.dtype)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        grads = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if cu_seqlens is None and T == 1 and cache is not None and not grads:  # a decode step
-            state = cache.to(x.dtype).clone()  # the kernel updates it in place; the caller's cache stays
-            y = update_fn(x[:, 0], state, w, bias, activation=self.activation)
-            return y[:, None], (state.to(cache.dtype) if output_final_state else None)
         xt = x.contiguous().transpose(1, 2)  # [B, D, T], channels contiguous ("channel last")
         if cu_seqlens is not None:
             seq_idx = torch.searchsorted(cu_seqlens.to(x.device, torch.long)[1:], torch.arange(T, device=x.device),
                                          right=True).to(torch.int32)[None]
-            y = conv_fn(xt, w, bias, seq_idx=seq_idx, activation=self.activation).transpose(1, 2)
+            y = CAUSAL_CONV1D(xt, w, bias, seq_idx=seq_idx, activation=self.activation).transpose(1, 2)
             final = None
             if output_final_state:
                 final = self._final_cache(x, x.new_zeros(cu_seqlens.numel() - 1, D, self.kernel_size - 1), cu_seqlens)
             return y, final
         init = None if cache is None else cache.to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         if output_final_state:
-            y, final = conv_fn(xt, w, bias, initial_states=init, return_final_states=True, activation=self.activation)
+            y, final = CAUSAL_CONV1D(xt, w, bias, initial_states=init, return_final_states=True,
+                                     activation=self.activation)
             return y.transpose(1, 2), final.to(cache.dtype if cache is not None else x.dtype)
-        return conv_fn(xt, w, bias, initial_states=init, activation=self.activation).transpose(1, 2), None
+        return CAUSAL_CONV1D(xt, w, bias, initial_states=init, activation=self.activation).transpose(1, 2), None
 
     def _final_cache(self, x, cache, cu_seqlens):
         W = self.kernel_size
