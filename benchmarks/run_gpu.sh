@@ -49,8 +49,10 @@ if [ -n "$sel" ] && [ "$sel" != "none" ]; then
     : >"$out/gpu_tests.log"
     # the tests in parallel workers, then those marked bigmem one at a time (they would crowd the GPU)
     for pass in "not bigmem|$workers" "bigmem|"; do
+        left=$(( deadline - $(date +%s) ))
+        if [ "$left" -le 0 ]; then stamp "no time left for the tests marked '${pass%%|*}'"; continue; fi
         # shellcheck disable=SC2086
-        TRITON_CACHE_DIR=$bench_cache FASTKDA_FAILURE_LOG="$out/failures.log" timeout $(( deadline - $(date +%s) )) python3 -m pytest -p no:cacheprovider \
+        TRITON_CACHE_DIR=$bench_cache FASTKDA_FAILURE_LOG="$out/failures.log" timeout "$left" python3 -m pytest -p no:cacheprovider \
             -v -rfs -W ignore -m "${pass%%|*}" ${pass#*|} $sel "$@" 2>&1 \
             | grep --line-buffered -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error|error|assert" >>"$out/gpu_tests.log"
         stamp "tests (-m '${pass%%|*}') done (pytest exit ${PIPESTATUS[0]})"

@@ -107,7 +107,9 @@ def test_cp_gloo_forward_backward(world, lens, tmp_path):
 
 @pytest.mark.parametrize("world,lens", [(2, [37, 90, 1]), (4, [5, 150, 0, 60, 41])])
 def test_cp_identity_run_separate(world, lens, tmp_path):
-    """V + K above the fused width: the identity run goes as a call of its own, same results."""
+    """V + K above the fused width: the identity run goes as a call of its own, same results (the
+    default case [5, 150, 0, 60, 41] over 4 ranks takes both ways: rank 1's first segment spans its
+    shard, rank 2's covers 27 of 64 tokens)."""
     _spawn(world, lens, tmp_path=tmp_path, fused_max=0)
 
 

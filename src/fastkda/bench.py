@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from . import platform
 from .api import chunk_kda, explain, fused_recurrent_kda
-from .backends import use_backend
+from .backends import backends, use_backend
 from .naive import naive_recurrent_kda
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -90,15 +90,15 @@ def run(args) -> list[dict]:
         for name, fn in _impls(op, device).items():
             if name == "reference loop" and T > args.max_reference_len:
                 continue
-            if name == "fastkda":  # say which backend served it
-                name = f"fastkda ({explain(fn, **x, use_qk_l2norm_in_kernel=True)[0]})"
 
-            def call(fn=fn):
-                o, _ = fn(**x, use_qk_l2norm_in_kernel=True) if name != "reference loop" else fn(**x)
+            def call(fn=fn, ref=name == "reference loop"):
+                o, _ = fn(**x) if ref else fn(**x, use_qk_l2norm_in_kernel=True)
                 if args.backward and op == "chunk":
                     o.float().sum().backward()
 
             try:
+                if name == "fastkda":  # say which backend serves it
+                    name = f"fastkda ({explain(fn, **x, use_qk_l2norm_in_kernel=True)[0]})"
                 ms = _time_ms(call, device, args.repeats)
             except Exception as e:  # an implementation that cannot run this case is reported, not fatal
                 print(f"{name} {op} T={T}: {type(e).__name__}: {e}", file=sys.stderr)
@@ -159,6 +159,8 @@ def main(argv=None) -> int:
             p.error(f"--ops takes chunk and/or recurrent, got {op!r}")
     if args.dtype is None:
         args.dtype = "bf16" if (args.device or platform.device) != "cpu" else "fp32"
+    if args.backend is not None and args.backend not in [b.name for b in backends()]:
+        p.error(f"--backend takes one of {', '.join(b.name for b in backends())}, got {args.backend!r}")
     with use_backend(args.backend) if args.backend else contextlib.nullcontext():  # else FASTKDA_BACKEND holds
         rows = run(args)
     md = report(rows, args)

@@ -7,7 +7,8 @@ shard from a zero state; the true state entering the shard is recovered from one
   Diag(exp(g_t))`` (K x K per value head). ``B`` is the segment's final state from zero, ``A`` the
   final state of the same segment run with ``v = 0`` from ``S_in = I``; that run's outputs are
   ``A_{1..t}^T scale q_t``, so the output correction for a true ``S_in`` is one product. The
-  identity run travels as K extra value columns of the shard's own call (V + K <= 256).
+  identity run travels as K extra value columns of the shard's own call when V + K <= 256 and the
+  first segment is at least half the shard, else as a call of its own over the first segment.
 - every rank contributes (A, B) of its last segment to one all-gather (autograd-aware, so the
   backward routes state gradients back across ranks the same way), then composes the maps of the
   ranks before it: ``S_in(r) = A_{r-1} S_in(r-1) + B_{r-1}``, reset to 0 where a sequence starts
@@ -100,10 +101,11 @@ def chunk_kda_cp(run, q, k, v, g, beta, kw: dict, ctx: CPContext):
     spans = len(ctx.local_cu) == 2  # one segment covers the whole shard
     A_first = Q_eff = None
     eye = torch.eye(K, device=dev, dtype=torch.float32)
-    if carried_in and V + K <= FUSED_MAX_COLUMNS:
+    if carried_in and V + K <= FUSED_MAX_COLUMNS and 2 * L0 >= ctx.T_local:
         # the first segment from S_in = I with v = 0 (final state A, outputs A_{1..t}^T scale q_t) as
         # K extra value columns of the same call: state columns evolve independently, so stage 1
-        # (gates, Akk, the inverse, w) is shared and only u and the scan grow to V + K columns
+        # (gates, Akk, the inverse, w) is shared and only u, the scan and the output grow to V + K
+        # columns, over the whole shard; worth it when the first segment is at least half of it
         h0 = torch.zeros(len(ctx.local_cu) - 1, HV, K, V + K, device=dev, dtype=torch.float32)
         h0[0, :, :, V:] = eye
         o_ext, finals_ext = run(q, k, torch.cat([v, v.new_zeros(*v.shape[:3], K)], -1), g, beta, cu_seqlens=cu,
@@ -113,7 +115,7 @@ def chunk_kda_cp(run, q, k, v, g, beta, kw: dict, ctx: CPContext):
     else:
         o, finals = run(q, k, v, g, beta, cu_seqlens=cu, initial_state=None, output_final_state=True,
                         state_v_first=False, **kw)
-        if carried_in:  # too wide for one call: the identity run on its own
+        if carried_in:  # too wide for one call, or a short first segment: the identity run on its own
             sl = slice(0, L0)
             Q_eff, A_first = run(q[:, sl], k[:, sl], q.new_zeros(1, L0, HV, K, dtype=v.dtype), g[:, sl], beta[:, sl],
                                  cu_seqlens=None, initial_state=eye.expand(1, HV, K, K).contiguous(),
