@@ -390,16 +390,18 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host) -> 
         BS = min(SLICE, BK, BV)
         NC = C // 16
         where = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, HV=HV, C=C, IS_VARLEN=cu_seqlens is not None)
+        # gates, intra and inverse do not see V: their launch follows K alone (V = 2K under context
+        # parallelism's fused identity run runs the binaries tuned and tested for V = K)
         kda_fwd_gates_kernel[(NT_total * NC, HV)](
             q, k, g, A_log, dt_bias, gc, ga, rs, lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0,
             H=H, K=K, BK=BK, BS=BS, GATE=gate_code(opts.gate), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
-            L2NORM=opts.qk_l2norm, **where, **launch_options(LAUNCH, "gates", BK, BV))
+            L2NORM=opts.qk_l2norm, **where, **launch_options(LAUNCH, "gates", BK, BK))
         kda_fwd_intra_kernel[(NT_total * NC, HV)](
             q, k, gc, ga, rs, qg, kd, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate,
-            L2NORM=opts.qk_l2norm, PREC=PREC, **where, **launch_options(LAUNCH, "intra", BK, BV))
+            L2NORM=opts.qk_l2norm, PREC=PREC, **where, **launch_options(LAUNCH, "intra", BK, BK))
         kda_fwd_inverse_kernel[(NT_total, HV)](
             beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, **where,
-            **launch_options(LAUNCH, "inverse", BK, BV))
+            **launch_options(LAUNCH, "inverse", BK, BK))
         NSK, NSV = triton.cdiv(K, BS), triton.cdiv(V, BS)
         kda_fwd_wu_kernel[(NT_total * (NSK + NSV), HV)](
             k, v, beta, gc, rs, xs, w, u, H=H, K=K, V=V, BS=BS, NSK=NSK, NSV=NSV, SIGMOID=opts.beta_sigmoid,
