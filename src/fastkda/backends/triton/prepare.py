@@ -39,6 +39,7 @@ from .common import (activate_gate, block_lower, chunk_program, chunk_tables, ga
 # (warps, register cap or None) of each launch for K, V <= 128; beyond, at least 4 warps
 LAUNCH = {"gates": (4, None), "intra": (2, None), "inverse": (2, None), "wu": (8, None)}  # tools/sweep_launch.py
 SLICE = 32  # feature columns per tile
+WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_launch.py --set)
 
 
 @triton.jit
@@ -402,8 +403,9 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host) -> 
         kda_fwd_inverse_kernel[(NT_total, HV)](
             beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, **where,
             **launch_options(LAUNCH, "inverse", BK, BK))
-        NSK, NSV = triton.cdiv(K, BS), triton.cdiv(V, BS)
+        BS_WU = min(WU_SLICE, BK, BV)
+        NSK, NSV = triton.cdiv(K, BS_WU), triton.cdiv(V, BS_WU)
         kda_fwd_wu_kernel[(NT_total * (NSK + NSV), HV)](
-            k, v, beta, gc, rs, xs, w, u, H=H, K=K, V=V, BS=BS, NSK=NSK, NSV=NSV, SIGMOID=opts.beta_sigmoid,
+            k, v, beta, gc, rs, xs, w, u, H=H, K=K, V=V, BS=BS_WU, NSK=NSK, NSV=NSV, SIGMOID=opts.beta_sigmoid,
             BETA_SCALE=opts.beta_scale, PREC=PREC, **where, **launch_options(LAUNCH, "wu", BK, BV))
     return Prepared(w, u, qg, kd, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total)
