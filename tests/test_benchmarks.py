@@ -1,0 +1,68 @@
+"""The benchmark scripts' BENCHMARKS.md renderers, on made-up results (their timing needs a GPU;
+a renderer that breaks should not cost a GPU run to find out)."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+ENV = "date 2026-01-01, device Test GPU, torch 0, python 3, triton 0"
+
+
+@pytest.fixture
+def sections():
+    """The sections a renderer writes, by name (each test points its script's write_section here
+    instead of BENCHMARKS.md)."""
+    return {}
+
+
+def test_bench_ops_render(tmp_path, sections, monkeypatch):
+    import bench_ops
+
+    monkeypatch.setattr(bench_ops, "write_section", lambda name, md, *a, **k: sections.__setitem__(name, md))
+    lib = {"ms": 2.0, "first_s": 1.0, "peak_gib": 1.5, "err": 3e-3, "gbps": 300.0}
+    res = {"env": ENV, "copy_tbps": 4.0, "fla_version": "0.6.0", "suites": {
+        "forward": [{"case": "B1 T8192 H64", "fastkda": lib, "fla": {**lib, "ms": 1.0}},
+                    {"case": "B1 T32768 H16", "fastkda": lib}],
+        "backward": [{"case": "B1 T8192 H64 safe", "fastkda": {"ms_fwd_bwd": 10.0, "ms_bwd": 8.0, "first_s": 5.0,
+                                                                 "peak_gib": 3.6},
+                      "fla": {"ms_fwd_bwd": 8.0, "ms_bwd": 6.0, "first_s": 100.0, "peak_gib": 3.8}}],
+        "decode": {"rows": [{"N": 256, "H": 32, "HV": 32,
+                             "fastkda": {"ms": 0.5, "tbps": 2.0, "graph_ms": 0.4, "graph_tbps": 2.7},
+                             "fla": {"ms": 0.4, "tbps": 2.7, "graph_ms": 0.44, "graph_tbps": 2.4}}],
+                   "launch_sweep": [{"BV": 16, "warps": 1, "graph_ms": 0.36, "err_vs_default": 0.0},
+                                    {"BV": 32, "warps": 4, "graph_ms": None, "err_vs_default": 1e-7}]},
+    }}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(res))
+    bench_ops.render(str(path))
+    bench_ops.render_backward(res)
+    bench_ops.render_decode(res)
+    assert "| B1 T8192 H64 | 2.000 | 1.000 | 0.50x |" in sections["gpu-forward"]
+    assert "| B1 T32768 H16 | 2.000 | - | - |" in sections["gpu-forward"]
+    assert "| B1 T8192 H64 safe | 10.00 / 8.00 | 0.80x |" in sections["gpu-backward"]
+    assert "| 256 | 32 / 32 | 0.5000 | 0.4000 | 0.4000 | 0.4400 | 1.10x |" in sections["gpu-decode"]
+    assert "BV=16 1 warps 0.3600 ms" in sections["gpu-decode"] and "BV=32 4 warps - ms" in sections["gpu-decode"]
+
+
+def test_bench_cp_render(tmp_path, sections, monkeypatch):
+    import bench_cp
+
+    monkeypatch.setattr(bench_cp, "write_section", lambda name, md, *a, **k: sections.__setitem__(name, md))
+    rows1 = [{"T": 262144, "H": 32, "K": 128, "world": 1, "forward": {"ms": 40.0, "peak_gib": 20.0},
+              "forward+backward": {"ms": 200.0, "peak_gib": 50.0}},
+             {"T": 1048576, "H": 32, "K": 128, "world": 1, "forward": {"ms": 160.0, "peak_gib": 80.0},
+              "forward+backward": {"error": "out of memory: CUDA out of memory"}}]
+    rows2 = [{"T": 262144, "H": 32, "K": 128, "world": 2, "forward": {"ms": 25.0, "peak_gib": 10.0},
+              "forward+backward": {"ms": 125.0, "peak_gib": 25.0}, "bytes_sent": 4 << 20, "bytes_received": 4 << 20}]
+    paths = []
+    for i, rows in enumerate((rows1, rows2)):
+        paths.append(tmp_path / f"cp{i}.json")
+        paths[-1].write_text(json.dumps({"env": ENV, "rows": rows}))
+    bench_cp.write_section("gpu-cp", bench_cp.render([str(p) for p in paths]))
+    md = sections["gpu-cp"]
+    assert "| 262,144 | 32 | 2 | 25.00 | 1.60x | 125.00 | 1.60x | +25.0 GiB | 4 MiB / 4 MiB |" in md
+    assert "| 1,048,576 | 32 | 1 | 160.00 | 1.00x | out of memory | - | - | - |" in md
