@@ -6,7 +6,7 @@ import torch
 from conftest import DEVICE, GPU
 from helpers import AXES, check, grow, tol_for
 
-from fastkda import chunk_kda, fused_recurrent_kda, use_backend
+from fastkda import chunk_kda, decode_error, fused_recurrent_kda, use_backend
 from fastkda.backends import backends
 from fastkda.testing import Case, make_inputs, reference
 
@@ -256,6 +256,19 @@ def test_cuda_graph_decode(backend, rng):
     for a, b in zip(outs, eager):
         assert torch.equal(a, b)
     assert torch.equal(graph_pool, eager_pool)
+    assert decode_error(DEVICE) is None
+    # a bad index inside a captured graph: the replay writes nothing, returns zeros, sets the flag
+    bad = idx.clone()
+    bad[3] = slots
+    with use_backend(backend):
+        bad_graph = torch.cuda.CUDAGraph()
+        snap = graph_pool.clone()
+        with torch.cuda.graph(bad_graph):
+            o_bad, _ = fused_recurrent_kda(**static[0], initial_state=graph_pool, ssm_state_indices=bad,
+                                           inplace_final_state=True)
+        bad_graph.replay()
+    assert "sequence 3 holds" in decode_error(DEVICE)
+    assert torch.equal(graph_pool, snap) and not o_bad.any()
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
@@ -274,3 +287,9 @@ def test_index_check_names_first_bad_sequence(rng, monkeypatch):
     with use_backend("triton"), pytest.raises(ValueError, match=r"sequence 5 holds"):
         fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
     assert torch.equal(pool, snap)
+    # the flag an engine reads after a graph replay says the same, until the next call
+    assert "sequence 5 holds a slot outside the pool" in decode_error(DEVICE)
+    idx[5], idx[9] = -1, 0
+    with use_backend("triton"):
+        fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
+    assert decode_error(DEVICE) is None

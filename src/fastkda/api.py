@@ -185,6 +185,23 @@ def fused_recurrent_kda(
         return registry.dispatch("fused_recurrent_kda", opts, inputs)
 
 
+def decode_error(device=None) -> str | None:
+    """What was wrong with the pool indices of the last Triton ``fused_recurrent_kda`` call with
+    ``ssm_state_indices`` on ``device`` (default: the current CUDA device), or None if nothing.
+
+    Such a call checks its indices on the device and, finding a bad one, reads and writes no slot
+    and returns zeros. Called eagerly it then raises ``ValueError``; replayed from a CUDA graph it
+    cannot, so an engine calls this after a replay (it reads a device flag: one synchronisation).
+    The PyTorch backend checks on the host and always raises at once.
+    """
+    from .backends.triton import recurrent
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    code = recurrent.last_error_code(recurrent.buffer_device(device))
+    return recurrent.describe_error(code) if code else None
+
+
 def explain(fn, *args, **kwargs) -> tuple[str, list[tuple[str, str]]]:
     """Which backend ``fn`` (:func:`chunk_kda` or :func:`fused_recurrent_kda`) would run for these
     arguments, and the ``(backend, reason)`` of every backend considered. Validates like the call."""

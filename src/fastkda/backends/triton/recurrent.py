@@ -5,7 +5,7 @@ accepted-token counts in [1, 1 + num_draft], tokens per sequence <= 1 + num_draf
 error code; ``kda_recurrent_kernel`` reads that code with the slot of its sequence and, if it is
 set, treats every sequence as padding (reads and writes no slot), so a call with one bad index
 changes nothing at all. The wrapper raises on the code when the stream is
-not being captured into a CUDA graph; during capture the engine reads ``last_error_code()``.
+not being captured into a CUDA graph; after replaying a graph, ``fastkda.decode_error()`` reads it.
 
 One program per (value block of BV columns, sequence, value head); the float32 state tile
 [BK, BV] lives in registers for all tokens of the sequence.
@@ -146,13 +146,16 @@ def error_buffer(device) -> torch.Tensor:
     return _ERR_BUFFERS[key]
 
 
-def describe_error(code: int, num_slots: int, cols: int) -> str:
+def describe_error(code: int, num_slots: int | None = None, cols: int | None = None) -> str:
+    """The message of an error code (the pool size and columns, when known, name the bounds)."""
     kind, n = code % 4, code // 4
     if kind == ERR_SLOT:
-        return f"`ssm_state_indices` of sequence {n} holds a slot outside [0, {num_slots}) other than -1 (padding)"
+        pool = f"[0, {num_slots})" if num_slots is not None else "the pool"
+        return f"`ssm_state_indices` of sequence {n} holds a slot outside {pool} other than -1 (padding)"
+    cols_ = cols if cols is not None else "1 + num_draft"
     if kind == ERR_ACCEPTED:
-        return f"`num_accepted_tokens[{n}]` must be in [1, {cols}]"
-    return f"sequence {n} has more tokens than the {cols} slots per sequence of `ssm_state_indices`"
+        return f"`num_accepted_tokens[{n}]` must be in [1, {cols_}]"
+    return f"sequence {n} has more tokens than the {cols_} slots per sequence of `ssm_state_indices`"
 
 
 def recurrent_forward(opts, x):
@@ -207,3 +210,11 @@ def _capturing(device) -> bool:
 def last_error_code(device) -> int:
     """The error code of the last pool decode call on ``device`` (0: none); reading it synchronises."""
     return int(error_buffer(device).item())
+
+
+def buffer_device(device) -> torch.device:
+    """``device`` as the kernels key their error buffers (a CUDA device with its index)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
