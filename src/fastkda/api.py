@@ -198,7 +198,7 @@ def decode_error(device=None) -> str | None:
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    code = recurrent.last_error_code(recurrent.buffer_device(device))
+    code = recurrent.last_error_code(device)
     return recurrent.describe_error(code) if code else None
 
 

@@ -25,13 +25,9 @@ from ..api import chunk_kda, fused_recurrent_kda
 __all__ = ["KimiDeltaAttention", "KDACache", "ShortConvolution", "GatedRMSNorm"]
 
 
-def _seq_starts(T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
-    """For every token of a flattened batch, the index of the first token of its sequence."""
-    if cu_seqlens is None:
-        return torch.zeros(T, dtype=torch.long, device=device)
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
-    seq = torch.searchsorted(cu[1:], torch.arange(T, device=device), right=True)
-    return cu[seq]
+def _seq_index(T: int, cu_seqlens: torch.Tensor, device) -> torch.Tensor:
+    """For every token of a flattened varlen batch, the index of its sequence (int64)."""
+    return torch.searchsorted(cu_seqlens.to(device, torch.long)[1:], torch.arange(T, device=device), right=True)
 
 
 EXTERNAL_CONV_DEVICES = ("cuda",)  # where the causal-conv1d package's kernels run
@@ -90,10 +86,10 @@ class ShortConvolution(nn.Module):
             xp = torch.cat([cache.transpose(1, 2).to(x.dtype), x], 1)  # [B, W - 1 + T, D]
             win = xp.unfold(1, W, 1)  # [B, T, D, W]: inputs t-W+1..t
         else:
-            start = _seq_starts(T, cu_seqlens, x.device)
+            seq = _seq_index(T, cu_seqlens, x.device)
+            start = cu_seqlens.to(x.device, torch.long)[seq]  # first token of every token's sequence
             t = torch.arange(T, device=x.device)
             src = t[:, None] - (W - 1) + torch.arange(W, device=x.device)[None, :]  # [T, W] input positions
-            seq = torch.searchsorted(cu_seqlens.to(x.device, torch.long)[1:], t, right=True)
             inside = src >= start[:, None]
             # a position before its sequence start reads that sequence's cache, slot W-1 + (src - start)
             slot = (src - start[:, None] + (W - 1)).clamp(0, W - 2)
@@ -121,8 +117,7 @@ class ShortConvolution(nn.Module):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         xt = x.contiguous().transpose(1, 2)  # [B, D, T], channels contiguous ("channel last")
         if cu_seqlens is not None:
-            seq_idx = torch.searchsorted(cu_seqlens.to(x.device, torch.long)[1:], torch.arange(T, device=x.device),
-                                         right=True).to(torch.int32)[None]
+            seq_idx = _seq_index(T, cu_seqlens, x.device).to(torch.int32)[None]
             y = CAUSAL_CONV1D(xt, w, bias, seq_idx=seq_idx, activation=self.activation).transpose(1, 2)
             final = None
             if output_final_state:

@@ -139,7 +139,11 @@ _ERR_BUFFERS: dict = {}
 
 
 def error_buffer(device) -> torch.Tensor:
-    """The per-device int32 error code of the last decode call (static, so graphs can capture it)."""
+    """The per-device int32 error code of the last decode call (static, so graphs can capture it);
+    "cuda" means the current CUDA device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = str(device)
     if key not in _ERR_BUFFERS:
         _ERR_BUFFERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
@@ -211,10 +215,3 @@ def last_error_code(device) -> int:
     """The error code of the last pool decode call on ``device`` (0: none); reading it synchronises."""
     return int(error_buffer(device).item())
 
-
-def buffer_device(device) -> torch.device:
-    """``device`` as the kernels key their error buffers (a CUDA device with its index)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
