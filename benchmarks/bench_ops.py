@@ -210,7 +210,7 @@ def bench_backward(cases):
 
 
 DECODE = [(n, h, 32) for h in (32, 16) for n in (1, 16, 64, 256, 512)]
-DECODE_LAUNCH = [(32, 4), (32, 2), (64, 4), (64, 8), (16, 2), (128, 8), (8, 1), (16, 1), (32, 1), (64, 2), (128, 4)]  # (REC_BV, REC_WARPS), N=256 H=32
+DECODE_LAUNCH = [(16, 1), (32, 4), (32, 2), (64, 4), (64, 8), (16, 2), (128, 8), (8, 1), (32, 1), (64, 2), (128, 4)]  # (REC_BV, REC_WARPS), N=256 H=32
 
 
 def _graph_ms(call):
