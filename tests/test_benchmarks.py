@@ -31,7 +31,7 @@ def test_bench_ops_render(tmp_path, sections, monkeypatch):
                                                                  "peak_gib": 3.6},
                       "fla": {"ms_fwd_bwd": 8.0, "ms_bwd": 6.0, "first_s": 100.0, "peak_gib": 3.8}}],
         "decode": {"rows": [{"N": 256, "H": 32, "HV": 32,
-                             "fastkda": {"ms": 0.5, "tbps": 2.0, "graph_ms": 0.4, "graph_tbps": 2.7},
+                             "fastkda": {"ms": 0.5, "tbps": 2.0, "graph_ms": 0.4, "graph_tbps": 2.7, "ms_async": 0.32},
                              "fla": {"ms": 0.4, "tbps": 2.7, "graph_ms": 0.44, "graph_tbps": 2.4}}],
                    "launch_sweep": [{"BV": 16, "warps": 1, "graph_ms": 0.36, "err_vs_default": 0.0},
                                     {"BV": 32, "warps": 4, "graph_ms": None, "err_vs_default": 1e-7}]},
@@ -44,7 +44,7 @@ def test_bench_ops_render(tmp_path, sections, monkeypatch):
     assert "| B1 T8192 H64 | 2.000 | 1.000 | 0.50x |" in sections["gpu-forward"]
     assert "| B1 T32768 H16 | 2.000 | - | - |" in sections["gpu-forward"]
     assert "| B1 T8192 H64 safe | 10.00 / 8.00 | 0.80x |" in sections["gpu-backward"]
-    assert "| 256 | 32 / 32 | 0.5000 | 0.4000 | 0.4000 | 0.4400 | 1.10x |" in sections["gpu-decode"]
+    assert "| 256 | 32 / 32 | 0.5000 | 0.3200 | 0.4000 | 1.25x | 0.4000 | 0.4400 | 1.10x |" in sections["gpu-decode"]
     assert "BV=16 1 warps 0.3600 ms" in sections["gpu-decode"] and "BV=32 4 warps - ms" in sections["gpu-decode"]
 
 

@@ -287,9 +287,51 @@ def test_index_check_names_first_bad_sequence(rng, monkeypatch):
     with use_backend("triton"), pytest.raises(ValueError, match=r"sequence 5 holds"):
         fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
     assert torch.equal(pool, snap)
-    # the flag an engine reads after a graph replay says the same, until the next call
-    assert "sequence 5 holds a slot outside the pool" in decode_error(DEVICE)
-    idx[5], idx[9] = -1, 0
+    assert decode_error(DEVICE) is None  # reported by raising
+    # without raising, the flag an engine reads keeps the first bad call through later good ones
+    good = idx.clone()
+    good[5], good[9] = -1, 0
     with use_backend("triton"):
-        fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
-    assert decode_error(DEVICE) is None
+        fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True,
+                            raise_on_bad_index=False)
+        assert torch.equal(pool, snap)
+        idx[5] = -1  # now sequence 9 is the first bad one
+        fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, raise_on_bad_index=False)
+        fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=good, inplace_final_state=True)
+    assert "sequence 5 holds a slot outside the pool" in decode_error(DEVICE)
+    assert decode_error(DEVICE) is None  # read once
+    assert not torch.equal(pool, snap)  # the good call wrote its slots
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_index_without_raising(backend, rng):
+    """raise_on_bad_index=False: the Triton call does not read its check back (no synchronisation),
+    returns zeros and touches no slot, and decode_error() names the bad sequence; the PyTorch
+    backend checks on the host and raises anyway. Valid calls give the same numbers either way."""
+    case = Case(B=3, T=1, H=1, HV=2, K=16, V=24, initial_state=False, final_state=False)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    pool = torch.randn(5, 2, 16, 24, device=DEVICE)
+    good = torch.tensor([4, -1, 0], device=DEVICE)
+    with use_backend(backend):
+        ref_pool = pool.clone()
+        o_ref, _ = fused_recurrent_kda(**x, initial_state=ref_pool, ssm_state_indices=good, inplace_final_state=True)
+        new_pool = pool.clone()
+        o, _ = fused_recurrent_kda(**x, initial_state=new_pool, ssm_state_indices=good, inplace_final_state=True,
+                                   raise_on_bad_index=False)
+        assert torch.equal(o, o_ref) and torch.equal(new_pool, ref_pool)
+        assert not torch.equal(new_pool[4], pool[4])  # the call did write its slots
+        bad = torch.tensor([4, 5, 0], device=DEVICE)
+        snap = pool.clone()
+        if backend == "torch":
+            with pytest.raises(ValueError, match=r"slot 5 at \[1\]"):
+                fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=bad, inplace_final_state=True,
+                                    raise_on_bad_index=False)
+        else:
+            o = torch.full_like(o_ref, float("nan"))
+            o, _ = fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=bad, inplace_final_state=True,
+                                       raise_on_bad_index=False)
+            assert torch.equal(o, torch.zeros_like(o))
+            assert "sequence 1 holds a slot outside the pool" in decode_error(DEVICE)
+        assert torch.equal(pool, snap)
+        with pytest.raises(TypeError, match="raise_on_bad_index"):
+            fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=good, raise_on_bad_index=None)

@@ -145,6 +145,7 @@ def fused_recurrent_kda(
     ssm_state_indices: torch.Tensor | None = None,
     num_accepted_tokens: torch.Tensor | None = None,
     inplace_final_state: bool = False,
+    raise_on_bad_index: bool = True,
 ):
     """Token-by-token Kimi Delta Attention for decoding, with serving-engine state pools.
 
@@ -157,6 +158,12 @@ def fused_recurrent_kda(
         inplace_final_state: write the final state into ``initial_state`` (at the slots of
             ``ssm_state_indices``; with speculative decoding the state after token t goes to slot
             ``ssm_state_indices[n, t]``). The returned final state is then that tensor.
+        raise_on_bad_index: with ``ssm_state_indices`` on the Triton backend, read the device-side
+            index check back after the call and raise ``ValueError`` on a bad index (one host
+            synchronisation per call; skipped while a CUDA graph is being captured). False never
+            synchronises: a call with a bad index still reads and writes no slot and returns
+            zeros, and :func:`decode_error` says why. The PyTorch backend checks on the host and
+            always raises.
 
     Returns:
         ``(o, final_state)``; ``final_state`` is ``[N, HV, K, V]`` float32 with
@@ -170,13 +177,14 @@ def fused_recurrent_kda(
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
         cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-        inplace_final_state=inplace_final_state, check_values=not compiling,
+        inplace_final_state=inplace_final_state, raise_on_bad_index=raise_on_bad_index, check_values=not compiling,
     )
     if compiling:
         o, final = torch.ops.fastkda.fused_recurrent_kda(
             q, k, v, g, beta, inputs.A_log, inputs.dt_bias, opts.scale, initial_state, output_final_state,
             use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
             opts.lower_bound, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state,
+            raise_on_bad_index,
         )
         if inplace_final_state:
             return o, initial_state
@@ -186,19 +194,21 @@ def fused_recurrent_kda(
 
 
 def decode_error(device=None) -> str | None:
-    """What was wrong with the pool indices of the last Triton ``fused_recurrent_kda`` call with
-    ``ssm_state_indices`` on ``device`` (default: the current CUDA device), or None if nothing.
+    """What was wrong with the pool indices of the first Triton ``fused_recurrent_kda`` call with
+    ``ssm_state_indices`` on ``device`` (default: the current CUDA device) whose error has not been
+    reported yet, or None if there is none; reading it clears it.
 
     Such a call checks its indices on the device and, finding a bad one, reads and writes no slot
-    and returns zeros. Called eagerly it then raises ``ValueError``; replayed from a CUDA graph it
-    cannot, so an engine calls this after a replay (it reads a device flag: one synchronisation).
+    and returns zeros. Called eagerly it then raises ``ValueError`` (which reports the error),
+    unless called with ``raise_on_bad_index=False``; replayed from a CUDA graph it cannot, so an
+    engine calls this after a replay or a step (it reads a device flag: one synchronisation).
     The PyTorch backend checks on the host and always raises at once.
     """
     from .backends.triton import recurrent
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    code = recurrent.last_error_code(device)
+    code = recurrent.take_error_code(device)
     return recurrent.describe_error(code) if code else None
 
 

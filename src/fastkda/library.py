@@ -136,7 +136,7 @@ def fused_recurrent_kda_op(
     scale: float, initial_state: Optional[Tensor], output_final_state: bool, use_qk_l2norm_in_kernel: bool,
     use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, lower_bound: Optional[float],
     state_v_first: bool, cu_seqlens: Optional[Tensor], ssm_state_indices: Optional[Tensor],
-    num_accepted_tokens: Optional[Tensor], inplace_final_state: bool,
+    num_accepted_tokens: Optional[Tensor], inplace_final_state: bool, raise_on_bad_index: bool,
 ) -> tuple[Tensor, Tensor]:
     from .api import fused_recurrent_kda
 
@@ -146,7 +146,7 @@ def fused_recurrent_kda_op(
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
         cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-        inplace_final_state=inplace_final_state,
+        inplace_final_state=inplace_final_state, raise_on_bad_index=raise_on_bad_index,
     )
     if inplace_final_state or final is None:  # the pool itself is the caller's tensor: no aliasing output
         final = q.new_empty(0, dtype=torch.float32)
@@ -156,7 +156,7 @@ def fused_recurrent_kda_op(
 @fused_recurrent_kda_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
       use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
-      ssm_state_indices, num_accepted_tokens, inplace_final_state):
+      ssm_state_indices, num_accepted_tokens, inplace_final_state, raise_on_bad_index):
     o = v.new_empty(v.shape)
     if inplace_final_state or not output_final_state:
         return o, q.new_empty(0, dtype=torch.float32)

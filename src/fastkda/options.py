@@ -63,6 +63,7 @@ class KDAOptions:
     pool: bool = False  # ssm_state_indices given: initial_state is a pool of slots
     spec_decode: bool = False  # 2-D ssm_state_indices + num_accepted_tokens
     inplace_final_state: bool = False
+    raise_on_bad_index: bool = True  # read the device-side pool index check back and raise
 
     @property
     def beta_scale(self) -> float:
@@ -336,12 +337,14 @@ def chunk_options(
 def recurrent_options(
     q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
-    ssm_state_indices, num_accepted_tokens, inplace_final_state, check_values: bool = True,
+    ssm_state_indices, num_accepted_tokens, inplace_final_state, raise_on_bad_index: bool = True,
+    check_values: bool = True,
 ) -> tuple[KDAOptions, KDAInputs]:
     flags = dict(
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, inplace_final_state=inplace_final_state,
+        raise_on_bad_index=raise_on_bad_index,
     )
     for name, val in flags.items():
         _bool(name, val)
@@ -383,6 +386,7 @@ def recurrent_options(
         allow_neg_eigval=allow_neg_eigval, has_initial_state=initial_state is not None,
         output_final_state=output_final_state, state_v_first=state_v_first, varlen=cu_seqlens is not None,
         pool=idx is not None, spec_decode=acc is not None, inplace_final_state=inplace_final_state,
+        raise_on_bad_index=raise_on_bad_index,
     )
     inputs = KDAInputs(
         q, k, v, g, beta,

@@ -5,7 +5,8 @@ accepted-token counts in [1, 1 + num_draft], tokens per sequence <= 1 + num_draf
 error code; ``kda_recurrent_kernel`` reads that code with the slot of its sequence and, if it is
 set, treats every sequence as padding (reads and writes no slot), so a call with one bad index
 changes nothing at all. The wrapper raises on the code when the stream is
-not being captured into a CUDA graph; after replaying a graph, ``fastkda.decode_error()`` reads it.
+not being captured into a CUDA graph (unless ``raise_on_bad_index=False``: then no call
+synchronises); ``fastkda.decode_error()`` reads it after a graph replay.
 
 One program per (value block of BV columns, sequence, value head); the float32 state tile
 [BK, BV] lives in registers for all tokens of the sequence.
@@ -36,7 +37,8 @@ _ERR_SLOT, _ERR_ACCEPTED, _ERR_TOKENS = tl.constexpr(ERR_SLOT), tl.constexpr(ERR
 def kda_check_indices_kernel(idx, acc, cu_seqlens, err, N, T, num_slots, stride_idx, COLS: tl.constexpr,
                              BC: tl.constexpr, BN: tl.constexpr, SPEC: tl.constexpr, IS_VARLEN: tl.constexpr):
     """err[0] <- 0, or the error of the first sequence that has one: kind + 4 * sequence. BN
-    sequences at a time."""
+    sequences at a time. err[1] keeps the first error not yet reported (set here when it is 0,
+    cleared by the host when it raises or reads it)."""
     NONE: tl.constexpr = 2**31 - 1
     o_c = tl.arange(0, BC)
     b_first = tl.full([BN], NONE, tl.int32)
@@ -57,7 +59,10 @@ def kda_check_indices_kernel(idx, acc, cu_seqlens, err, N, T, num_slots, stride_
             this = tl.where(L > COLS, _ERR_TOKENS, this)
         b_first = tl.minimum(b_first, tl.where(m_n & (this != 0), this + 4 * o_n, NONE))
     b_code = tl.min(b_first, 0)
-    tl.store(err + tl.arange(0, 1), tl.where(b_code == NONE, 0, b_code) + tl.zeros([1], tl.int32))
+    b_code = tl.where(b_code == NONE, 0, b_code)
+    tl.store(err + tl.arange(0, 1), b_code + tl.zeros([1], tl.int32))
+    b_kept = tl.load(err + 1 + tl.arange(0, 1))
+    tl.store(err + 1 + tl.arange(0, 1), tl.where(b_kept == 0, b_code, b_kept))
 
 
 @triton.jit(do_not_specialize=["T", "num_slots"])
@@ -141,14 +146,14 @@ _ERR_BUFFERS: dict = {}
 
 
 def error_buffer(device) -> torch.Tensor:
-    """The per-device int32 error code of the last decode call (static, so graphs can capture it);
-    "cuda" means the current CUDA device."""
+    """The per-device int32 error codes (static, so graphs can capture them): [0] of the last pool
+    decode call, [1] the first not yet reported. "cuda" means the current CUDA device."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = str(device)
     if key not in _ERR_BUFFERS:
-        _ERR_BUFFERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        _ERR_BUFFERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
     return _ERR_BUFFERS[key]
 
 
@@ -198,9 +203,10 @@ def recurrent_forward(opts, x):
             SPEC=opts.spec_decode, INPLACE=opts.inplace_final_state, V_FIRST=opts.state_v_first,
             IS_VARLEN=x.cu_seqlens is not None, num_warps=REC_WARPS,
         )
-    if opts.pool and not _capturing(dev):
-        code = int(err.item())
+    if opts.pool and opts.raise_on_bad_index and not _capturing(dev):
+        code = int(err[0].item())
         if code:
+            err[1] = 0  # reported here
             raise ValueError(describe_error(code, num_slots, cols) + "; nothing was written")
     if opts.inplace_final_state:
         if h0 is not x.initial_state:  # written into a contiguous copy: nothing to hand back
@@ -213,7 +219,12 @@ def _capturing(device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def last_error_code(device) -> int:
-    """The error code of the last pool decode call on ``device`` (0: none); reading it synchronises."""
-    return int(error_buffer(device).item())
+def take_error_code(device) -> int:
+    """The first error code on ``device`` not yet reported (0: none), which it clears; reading it
+    synchronises."""
+    err = error_buffer(device)
+    code = int(err[1].item())
+    if code:
+        err[1] = 0
+    return code
 
