@@ -9,7 +9,8 @@ sigmoid in the kernel) and times the forward and the forward+backward of ``chunk
 ``CPContext``; with one rank, the plain single-GPU call. The ranks run the same number of
 iterations (the collectives need it); a time is the median over iterations of the slowest rank.
 A case that does not fit on any rank reports the out-of-memory error instead of a time; a rank
-that runs out alone leaves the others waiting in a collective until the 120 s timeout ends the run.
+that runs out alone leaves the others waiting in a collective until the 120 s timeout ends the run,
+and the JSON (written before and after every measurement) then says which mode did not finish.
 """
 
 from __future__ import annotations
@@ -96,9 +97,14 @@ def _measure(mode, T, H, K, iters, rank, world):
     return got
 
 
-def run_case(T, H, K, iters, rank, world):
-    row = {"T": T, "H": H, "K": K, "world": world}
+def run_case(T, H, K, iters, rank, world, row, save):
+    """Fills ``row`` mode by mode, calling ``save()`` before and after each: a run killed while
+    ranks wait on one that ran out of memory keeps the modes measured before and says which
+    one did not finish."""
+    row.update({"T": T, "H": H, "K": K, "world": world})
     for mode in ("forward", "forward+backward"):
+        row[mode] = {"error": "did not finish (a rank out of memory leaves the others waiting in a collective)"}
+        save()
         try:
             got = _measure(mode, T, H, K, iters, rank, world)
             for key in ("bytes_sent", "bytes_received"):
@@ -112,10 +118,10 @@ def run_case(T, H, K, iters, rank, world):
         if float(fail) and "error" not in got:
             got = {"error": "out of memory on another rank"}
         row[mode] = got
+        save()
         if rank == 0:
             print(f"T={T:8d} H={H} world={world} {mode:17s} " +
                   (f"{got['ms']:9.2f} ms  peak +{got['peak_gib']:.1f} GiB" if "ms" in got else got["error"]), flush=True)
-    return row
 
 
 def render(paths):
@@ -137,7 +143,7 @@ def render(paths):
             if "ms" in got:
                 cells += [f"{got['ms']:.2f}", f"{base['ms'] / got['ms']:.2f}x" if "ms" in base else "-"]
             else:
-                cells += [got.get("error", "-").split(":")[0], "-"]
+                cells += [got.get("error", "-").split(":")[0].split(" (")[0], "-"]
         peak = r.get("forward+backward", {}).get("peak_gib")
         sent = f"{r['bytes_sent'] / 2**20:.0f} MiB / {r['bytes_received'] / 2**20:.0f} MiB" if "bytes_sent" in r else "-"
         lines.append(f"| {r['T']:,} | {r['H']} | {r['world']} | {' | '.join(cells[:2])} | {' | '.join(cells[2:])} | "
@@ -165,12 +171,16 @@ def main():
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
         dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120))  # a lost rank fails, not hangs
-    rows = []
-    for T in args.tokens.split(","):
-        rows.append(run_case(int(T), args.heads, args.dim, args.iters, rank, world))
-        if rank == 0:  # after every case: a later one that fails leaves the earlier ones
+    rows, env = [], environment("cuda")
+
+    def save():
+        if rank == 0:
             with open(args.json, "w") as f:
-                json.dump({"env": environment("cuda"), "rows": rows}, f, indent=1)
+                json.dump({"env": env, "rows": rows}, f, indent=1)
+
+    for T in args.tokens.split(","):
+        rows.append({})
+        run_case(int(T), args.heads, args.dim, args.iters, rank, world, rows[-1], save)
     if world > 1:
         dist.destroy_process_group()
 
