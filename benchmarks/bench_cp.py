@@ -112,6 +112,7 @@ def run_case(T, H, K, iters, rank, world, row, save):
                     row[key] = got.pop(key)
         except torch.OutOfMemoryError as e:
             got = {"error": "out of memory: " + str(e).split("\n")[0][:160]}
+            print(f"rank {rank}: T={T} {mode}: {got['error']}", flush=True)  # before a collective that may hang
         fail = torch.tensor([1.0 if "error" in got else 0.0], device="cuda")
         if world > 1:  # one rank out of memory: every rank says so
             dist.all_reduce(fail, op=dist.ReduceOp.MAX)
