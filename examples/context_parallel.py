@@ -4,7 +4,8 @@
     torchrun --nproc_per_node 8 examples/context_parallel.py --cuda     # GPUs, NCCL
 
 Every rank builds the same global batch (a real job would load only its shard), runs its shard
-with a CPContext, and rank 0 compares the gathered output and gradients with one process's run.
+with a CPContext, and rank 0 compares the gathered output and every gradient (q, k, v, g, beta,
+A_log, dt_bias) with one process's run.
 """
 
 import argparse
@@ -43,23 +44,31 @@ def main():
 
     ctx = CPContext(cu_seqlens=cu_seqlens)
     shard = [t[:, ctx.lo:ctx.hi].to(device).requires_grad_() for t in (q, k, v, g, beta)]
-    params = [A_log.to(device).requires_grad_(), dt_bias.to(device).requires_grad_()]
+    params = [t.to(device).clone().requires_grad_() for t in (A_log, dt_bias)]
     o, _ = chunk_kda(*shard, A_log=params[0], dt_bias=params[1], cp_context=ctx, **kw)
     o.float().square().sum().backward()
 
     outs = [torch.empty_like(o) for _ in range(world)]
     dist.all_gather(outs, o.detach())
-    dq = [torch.empty_like(shard[0].grad) for _ in range(world)]
-    dist.all_gather(dq, shard[0].grad)
+    grads = []
+    for t in shard:  # the shards' gradients, gathered in sequence order
+        parts = [torch.empty_like(t.grad) for _ in range(world)]
+        dist.all_gather(parts, t.grad)
+        grads.append(torch.cat(parts, 1))
+    for t in params:  # shared parameters: the ranks' gradients add up
+        dist.all_reduce(t.grad)
+        grads.append(t.grad)
     if rank == 0:
-        full = [t.to(device).requires_grad_() for t in (q, k, v, g, beta)]
-        o1, _ = chunk_kda(*full, A_log=A_log.to(device), dt_bias=dt_bias.to(device), cu_seqlens=cu_seqlens.to(device), **kw)
+        full = [t.to(device).clone().requires_grad_() for t in (q, k, v, g, beta, A_log, dt_bias)]
+        o1, _ = chunk_kda(*full[:5], A_log=full[5], dt_bias=full[6], cu_seqlens=cu_seqlens.to(device), **kw)
         o1.float().square().sum().backward()
-        err_o = ((torch.cat(outs, 1) - o1).norm() / o1.norm()).item()
-        err_dq = ((torch.cat(dq, 1) - full[0].grad).norm() / full[0].grad.norm()).item()
-        print(f"world {world}: output error {err_o:.2e}, dq error {err_dq:.2e}; "
-              f"exchanged per rank and forward: {ctx.bytes_sent} B sent, {ctx.bytes_received} B received")
-        assert err_o < 1e-4 and err_dq < 1e-4
+        errs = {"o": ((torch.cat(outs, 1) - o1).norm() / o1.norm()).item()}
+        for name, got, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias"), grads, full):
+            errs[name] = ((got - ref.grad).norm() / ref.grad.norm()).item()
+        print(f"world {world}: relative errors against one process: "
+              + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
+              + f"; exchanged per rank and forward: {ctx.bytes_sent} B sent, {ctx.bytes_received} B received")
+        assert max(errs.values()) < 1e-4, errs
     dist.destroy_process_group()
 
 
