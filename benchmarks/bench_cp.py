@@ -9,8 +9,8 @@ sigmoid in the kernel) and times the forward and the forward+backward of ``chunk
 ``CPContext``; with one rank, the plain single-GPU call. The ranks run the same number of
 iterations (the collectives need it); a time is the median over iterations of the slowest rank.
 A case that does not fit on any rank reports the out-of-memory error instead of a time; a rank
-that runs out alone leaves the others waiting in a collective until the 120 s timeout ends the run,
-and the JSON (written before and after every measurement) then says which mode did not finish.
+that runs out alone leaves the others waiting in a collective until NCCL's 120 s timeout or the
+launcher's time limit ends the run, and the JSON (written before and after every measurement) then says which mode did not finish.
 """
 
 from __future__ import annotations

@@ -327,11 +327,20 @@ def test_bad_index_without_raising(backend, rng):
                 fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=bad, inplace_final_state=True,
                                     raise_on_bad_index=False)
         else:
-            o = torch.full_like(o_ref, float("nan"))
-            o, _ = fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=bad, inplace_final_state=True,
-                                       raise_on_bad_index=False)
+            def no_read_back(*args, **kwargs):
+                raise AssertionError("raise_on_bad_index=False read the index check back")
+
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(torch.Tensor, "item", no_read_back)  # how the wrapper reads the check back
+                o, _ = fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=bad, inplace_final_state=True,
+                                           raise_on_bad_index=False)
             assert torch.equal(o, torch.zeros_like(o))
+            # a later call that raises reports its own error and keeps this one for decode_error()
+            with pytest.raises(ValueError, match=r"sequence 0 holds"):
+                fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=torch.tensor([7, 0, 4], device=DEVICE),
+                                    inplace_final_state=True)
             assert "sequence 1 holds a slot outside the pool" in decode_error(DEVICE)
+            assert decode_error(DEVICE) is None
         assert torch.equal(pool, snap)
         with pytest.raises(TypeError, match="raise_on_bad_index"):
             fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=good, raise_on_bad_index=None)

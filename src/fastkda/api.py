@@ -195,13 +195,14 @@ def fused_recurrent_kda(
 
 def decode_error(device=None) -> str | None:
     """What was wrong with the pool indices of the first Triton ``fused_recurrent_kda`` call with
-    ``ssm_state_indices`` on ``device`` (default: the current CUDA device) whose error has not been
-    reported yet, or None if there is none; reading it clears it.
+    ``ssm_state_indices`` on ``device`` (default: the current CUDA device) that did not raise (a
+    graph replay, or a call with ``raise_on_bad_index=False``) since the last read, or None if
+    there is none; reading it clears it.
 
     Such a call checks its indices on the device and, finding a bad one, reads and writes no slot
-    and returns zeros. Called eagerly it then raises ``ValueError`` (which reports the error),
-    unless called with ``raise_on_bad_index=False``; replayed from a CUDA graph it cannot, so an
-    engine calls this after a replay or a step (it reads a device flag: one synchronisation).
+    and returns zeros. Called eagerly it then raises ``ValueError``, unless called with
+    ``raise_on_bad_index=False``; replayed from a CUDA graph it cannot, so an engine calls this
+    after a replay or a step (it reads a device flag: one synchronisation).
     The PyTorch backend checks on the host and always raises at once.
     """
     from .backends.triton import recurrent

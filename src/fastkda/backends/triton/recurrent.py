@@ -6,7 +6,8 @@ error code; ``kda_recurrent_kernel`` reads that code with the slot of its sequen
 set, treats every sequence as padding (reads and writes no slot), so a call with one bad index
 changes nothing at all. The wrapper raises on the code when the stream is
 not being captured into a CUDA graph (unless ``raise_on_bad_index=False``: then no call
-synchronises); ``fastkda.decode_error()`` reads it after a graph replay.
+synchronises); ``fastkda.decode_error()`` reads the first error of the calls that did not raise
+(graph replays, or calls with ``raise_on_bad_index=False``).
 
 One program per (value block of BV columns, sequence, value head); the float32 state tile
 [BK, BV] lives in registers for all tokens of the sequence.
@@ -23,8 +24,9 @@ from .common import activate_gate, contiguous, gate_code, pow2
 
 # value columns and warps per program: many one-warp programs keep the most state loads in
 # flight (H200, N=256 H=32 K=V=128, CUDA graph: BV=16/1 warp 0.356 ms, 32/1 0.373, 32/4 0.404)
-REC_BV = 16
+REC_BV = 16  # for K <= 128
 REC_WARPS = 1
+REC_WIDE = (32, 4)  # (BV, warps) for K > 128: BV=16 at 1 warp spills 1.3 KB there (sm_90), this does not
 CHECK_BN = 256  # sequences per step of the index check
 
 # error codes: 0 ok; otherwise kind + 4 * (sequence index)
@@ -35,10 +37,12 @@ _ERR_SLOT, _ERR_ACCEPTED, _ERR_TOKENS = tl.constexpr(ERR_SLOT), tl.constexpr(ERR
 
 @triton.jit
 def kda_check_indices_kernel(idx, acc, cu_seqlens, err, N, T, num_slots, stride_idx, COLS: tl.constexpr,
-                             BC: tl.constexpr, BN: tl.constexpr, SPEC: tl.constexpr, IS_VARLEN: tl.constexpr):
+                             BC: tl.constexpr, BN: tl.constexpr, SPEC: tl.constexpr, IS_VARLEN: tl.constexpr,
+                             KEEP: tl.constexpr):
     """err[0] <- 0, or the error of the first sequence that has one: kind + 4 * sequence. BN
-    sequences at a time. err[1] keeps the first error not yet reported (set here when it is 0,
-    cleared by the host when it raises or reads it)."""
+    sequences at a time. With KEEP (a call that will not raise) the error also goes to err[1],
+    the first error of the calls that did not raise, unless that holds one already (decode_error()
+    clears it)."""
     NONE: tl.constexpr = 2**31 - 1
     o_c = tl.arange(0, BC)
     b_first = tl.full([BN], NONE, tl.int32)
@@ -61,8 +65,9 @@ def kda_check_indices_kernel(idx, acc, cu_seqlens, err, N, T, num_slots, stride_
     b_code = tl.min(b_first, 0)
     b_code = tl.where(b_code == NONE, 0, b_code)
     tl.store(err + tl.arange(0, 1), b_code + tl.zeros([1], tl.int32))
-    b_kept = tl.load(err + 1 + tl.arange(0, 1))
-    tl.store(err + 1 + tl.arange(0, 1), tl.where(b_kept == 0, b_code, b_kept))
+    if KEEP:
+        b_kept = tl.load(err + 1 + tl.arange(0, 1))
+        tl.store(err + 1 + tl.arange(0, 1), tl.where(b_kept == 0, b_code, b_kept))
 
 
 @triton.jit(do_not_specialize=["T", "num_slots"])
@@ -147,7 +152,8 @@ _ERR_BUFFERS: dict = {}
 
 def error_buffer(device) -> torch.Tensor:
     """The per-device int32 error codes (static, so graphs can capture them): [0] of the last pool
-    decode call, [1] the first not yet reported. "cuda" means the current CUDA device."""
+    decode call, [1] the first of the calls that did not raise, until decode_error() reads it.
+    "cuda" means the current CUDA device."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -186,12 +192,15 @@ def recurrent_forward(opts, x):
     err = error_buffer(dev)
     cols = idx.shape[1] if (idx is not None and idx.ndim == 2) else 1
     num_slots = h0.shape[0] if h0 is not None else 0
+    raises = opts.pool and opts.raise_on_bad_index and not _capturing(dev)  # reads the check back
     if opts.pool:
         kda_check_indices_kernel[(1,)](
             idx, acc, x.cu_seqlens, err, N, T, num_slots, idx.stride(0), COLS=cols, BC=pow2(cols, 1), BN=CHECK_BN,
-            SPEC=opts.spec_decode, IS_VARLEN=x.cu_seqlens is not None,
+            SPEC=opts.spec_decode, IS_VARLEN=x.cu_seqlens is not None, KEEP=not raises,
         )
-    BK, BV = pow2(K), min(pow2(V), REC_BV)
+    BK = pow2(K)
+    BV, warps = (REC_BV, REC_WARPS) if BK <= 128 else REC_WIDE
+    BV = min(pow2(V), BV)
     if N * HV > 0:
         kda_recurrent_kernel[(triton.cdiv(V, BV), N * HV)](
             q, k, v, g, beta, x.A_log, x.dt_bias, o, h0, ht, x.cu_seqlens, idx, acc, err,
@@ -201,12 +210,11 @@ def recurrent_forward(opts, x):
             HAS_BIAS=x.dt_bias is not None, L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid,
             BETA_SCALE=opts.beta_scale, USE_H0=h0 is not None, STORE_HT=ht is not None, POOL=opts.pool,
             SPEC=opts.spec_decode, INPLACE=opts.inplace_final_state, V_FIRST=opts.state_v_first,
-            IS_VARLEN=x.cu_seqlens is not None, num_warps=REC_WARPS,
+            IS_VARLEN=x.cu_seqlens is not None, num_warps=warps,
         )
-    if opts.pool and opts.raise_on_bad_index and not _capturing(dev):
+    if raises:
         code = int(err[0].item())
         if code:
-            err[1] = 0  # reported here
             raise ValueError(describe_error(code, num_slots, cols) + "; nothing was written")
     if opts.inplace_final_state:
         if h0 is not x.initial_state:  # written into a contiguous copy: nothing to hand back
@@ -220,8 +228,8 @@ def _capturing(device) -> bool:
 
 
 def take_error_code(device) -> int:
-    """The first error code on ``device`` not yet reported (0: none), which it clears; reading it
-    synchronises."""
+    """The first error code on ``device`` of the calls that did not raise since the last read
+    (0: none), which it clears; reading it synchronises."""
     err = error_buffer(device)
     code = int(err[1].item())
     if code:
