@@ -173,7 +173,9 @@ def launch_options(table: dict, name: str, BK: int, BV: int) -> dict:
 
 
 def pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
+    """The smallest power of two >= n, at least lo (plain Python: triton.next_power_of_2 is a
+    constexpr function, several microseconds per host call)."""
+    return max(lo, 1 << max(int(n) - 1, 0).bit_length())
 
 
 def dot_config(dtype: torch.dtype):
