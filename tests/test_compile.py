@@ -49,3 +49,12 @@ def test_compiled_operators_varlen_and_pool(rng):
     o_e = step(y, pool_e)
     check("decode o", o, o_e, 1e-6)
     assert torch.equal(pool, pool_e)
+
+    def step_async(y, pool):  # the custom op carries raise_on_bad_index too
+        return fused_recurrent_kda(**y, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True,
+                                   raise_on_bad_index=False)[0]
+
+    o = torch.compile(step_async, fullgraph=True, backend="aot_eager")(y, pool)
+    o_e = step_async(y, pool_e)
+    check("decode o, raise_on_bad_index=False", o, o_e, 1e-6)
+    assert torch.equal(pool, pool_e)
