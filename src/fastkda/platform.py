@@ -17,6 +17,7 @@ __all__ = [
     "IS_AMD",
     "IS_INTEL",
     "HAS_TRITON",
+    "TRITON_MAX_DIM",
     "triton_interpret",
     "is_gpu_tensor",
     "device_name",
@@ -42,6 +43,7 @@ IS_NVIDIA_HOPPER = IS_NVIDIA and _CC[0] == 9
 IS_NVIDIA_BLACKWELL = IS_NVIDIA and _CC[0] == 10
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+TRITON_MAX_DIM = 256  # the widest K and V the Triton kernels take
 
 
 def triton_interpret() -> bool:

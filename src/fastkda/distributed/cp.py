@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import platform
+
 __all__ = ["CPContext"]
 
-FUSED_MAX_COLUMNS = 256  # the widest V the Triton kernels take: up to this, the identity run shares the call
+FUSED_MAX_COLUMNS = platform.TRITON_MAX_DIM  # V + K up to this: the identity run shares the call
 
 
 @dataclass

@@ -20,7 +20,7 @@ from .function import chunk_kda_autograd, contiguous_inputs, forward_stages
 from .recurrent import recurrent_forward
 from . import gate as gate_kernels
 
-MAX_DIM = 256
+MAX_DIM = platform.TRITON_MAX_DIM
 
 
 def chunk_forward(opts: KDAOptions, x: KDAInputs):

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import block_lower, chunk_program, gate_backward, gate_code, launch_options, pow2, row_of
+from .common import block_lower, cdiv, chunk_program, gate_backward, gate_code, launch_options, pow2, row_of
 from .scan import _state_ptrs
 from .prepare import SLICE, _beta, _blk, _bsums, _c, _put, _tile, _x
 
@@ -357,7 +357,7 @@ def bwd_qk(x, dxh, L2NORM: bool):
     dx = new_empty(B, T, H, K, dtype=x.dtype, device=x.device)
     rows, BR = B * T, 16
     if rows:
-        kda_bwd_qk_kernel[(triton.cdiv(rows, BR), H)](x, dxh, dx, rows, H=H, G=HV // H, K=K, BK=pow2(K, 1), BR=BR,
+        kda_bwd_qk_kernel[(cdiv(rows, BR), H)](x, dxh, dx, rows, H=H, G=HV // H, K=K, BK=pow2(K, 1), BR=BR,
                                                      L2NORM=L2NORM)
     return dx
 
@@ -384,12 +384,12 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
     if NT > 0:
         BK, BV = pow2(K), pow2(V)
         BS = min(SLICE, BK, BV)
-        NSK = triton.cdiv(K, BS)
+        NSK = cdiv(K, BS)
         where = dict(cu_seqlens=cu_seqlens, chunk_indices=p.chunk_indices, T=T, HV=HV, C=C,
                      IS_VARLEN=cu_seqlens is not None, PREC=PREC)
         beta_kw = dict(SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale)
         BKS = min(64, BK)
-        NKS = triton.cdiv(K, BKS)
+        NKS = cdiv(K, BKS)
         kda_bwd_v_kernel[(NT * (NKS + 1), HV)](
             x.v, x.beta, p.u, vn, h, dhs, do, dvn, p.xs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, dv,
             scale=opts.scale, K=K, V=V, BKS=BKS, NKS=NKS, BV=BV, BS=BS, **beta_kw, **where,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import mma, pow2, sequence_location
+from .common import cdiv, mma, pow2, sequence_location
 from .scan import _state_ptrs, chunk_operands
 
 BWD_SCAN_BV = 64
@@ -79,7 +79,7 @@ def bwd_scan(opts, qg, w, kd, Aqk, gl, do, dht, cu_seqlens, chunk_offsets, NT_to
     BK = pow2(K)
     BV = min(pow2(V), BWD_SCAN_BV if BK <= 128 else 32)  # wider keys: fewer registers per program
     if N * HV > 0:
-        kda_bwd_scan_kernel[(triton.cdiv(V, BV), N * HV)](
+        kda_bwd_scan_kernel[(cdiv(V, BV), N * HV)](
             qg, w, kd, Aqk, gl, do, dht, dhs, dh0, dvn, cu_seqlens, chunk_offsets, T,
             HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=want_dh0,
             V_FIRST=opts.state_v_first, IS_VARLEN=cu_seqlens is not None, DT=DT, PREC=PREC, EMU=EMU,

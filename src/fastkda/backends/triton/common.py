@@ -147,7 +147,7 @@ def gate_code(gate) -> int:
 @functools.lru_cache(maxsize=64)
 def _chunk_tables(lens: tuple[int, ...], C: int, device: str):
     """(chunk_indices [NT_total, 2] int32: (sequence, chunk in sequence), chunk_offsets [N+1] int32)."""
-    counts = [triton.cdiv(n, C) for n in lens]
+    counts = [cdiv(n, C) for n in lens]
     idx = [(n, c) for n, cnt in enumerate(counts) for c in range(cnt)]
     offsets = [0]
     for cnt in counts:
@@ -172,10 +172,16 @@ def launch_options(table: dict, name: str, BK: int, BV: int) -> dict:
     return dict(num_warps=warps, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
+# Host-side sizes in plain Python: triton.next_power_of_2 and triton.cdiv are constexpr functions,
+# microseconds per host call, which add up on the decode path (several calls per token).
 def pow2(n: int, lo: int = 16) -> int:
-    """The smallest power of two >= n, at least lo (plain Python: triton.next_power_of_2 is a
-    constexpr function, several microseconds per host call)."""
+    """The smallest power of two >= n, at least lo."""
     return max(lo, 1 << max(int(n) - 1, 0).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative a and positive b."""
+    return -(-a // b)
 
 
 def dot_config(dtype: torch.dtype):

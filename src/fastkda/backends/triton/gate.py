@@ -9,7 +9,7 @@ import triton.language as tl
 
 from ...options import GateMode
 from ...testing import new_empty
-from .common import activate_gate, chunk_location, chunk_tables, gate_backward, pow2
+from .common import activate_gate, cdiv, chunk_location, chunk_tables, gate_backward, pow2
 
 ROWS = 32  # rows (tokens) per program of the elementwise kernels
 
@@ -82,7 +82,7 @@ class _GateFunction(torch.autograd.Function):
         y = new_empty(*g.shape, dtype=opts.output_dtype, device=g.device)
         lb = opts.lower_bound if opts.lower_bound is not None else 0.0
         if R:
-            kda_gate_fwd_kernel[(triton.cdiv(R, ROWS), HV)](
+            kda_gate_fwd_kernel[(cdiv(R, ROWS), HV)](
                 g2, A_log, dt_bias, y, lb, R, HV=HV, K=K, BK=pow2(K, 1), BR=ROWS, GATE=_code(opts),
                 HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
             )
@@ -95,7 +95,7 @@ class _GateFunction(torch.autograd.Function):
         g2, A_log, dt_bias = ctx.saved_tensors
         opts = ctx.opts
         R, HV, K = g2.shape
-        nr = triton.cdiv(R, ROWS)
+        nr = cdiv(R, ROWS)
         dg = new_empty(R, HV, K, dtype=ctx.dtype, device=g2.device)
         dA_part = new_empty(nr, HV, dtype=torch.float32, device=g2.device) if A_log is not None else None
         db_part = new_empty(nr, HV, K, dtype=torch.float32, device=g2.device) if dt_bias is not None else None
@@ -122,7 +122,7 @@ def gate_chunk_cumsum(opts, g, A_log, dt_bias, cu_seqlens):
     if cu_seqlens is not None:
         chunk_indices, _, NT_total = chunk_tables(cu_seqlens.detach().cpu(), C, g.device)
     else:
-        chunk_indices, NT_total = None, B * triton.cdiv(T, C)
+        chunk_indices, NT_total = None, B * cdiv(T, C)
     if NT_total:
         kda_gate_cumsum_kernel[(NT_total, HV)](
             g, A_log, dt_bias, y, cu_seqlens, chunk_indices, opts.lower_bound if opts.lower_bound is not None else 0.0,

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import (activate_gate, block_lower, chunk_program, chunk_tables, gate_code, launch_options, pow2,
+from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tables, gate_code, launch_options, pow2,
                      row_of)
 
 # (warps, register cap or None) of each launch for K, V <= 128; beyond, at least 4 warps
@@ -372,7 +372,7 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host) -> 
     if cu_seqlens is not None:
         chunk_indices, chunk_offsets, NT_total = chunk_tables(cu_host, C, q.device)
     else:
-        chunk_indices, chunk_offsets, NT_total = None, None, B * triton.cdiv(T, C)
+        chunk_indices, chunk_offsets, NT_total = None, None, B * cdiv(T, C)
     dev, dt = q.device, q.dtype
     w = new_empty(B, T, HV, K, dtype=dt, device=dev)
     u = new_empty(B, T, HV, V, dtype=dt, device=dev)
@@ -404,7 +404,7 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host) -> 
             beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, **where,
             **launch_options(LAUNCH, "inverse", BK, BK))
         BS_WU = min(WU_SLICE, BK, BV)
-        NSK, NSV = triton.cdiv(K, BS_WU), triton.cdiv(V, BS_WU)
+        NSK, NSV = cdiv(K, BS_WU), cdiv(V, BS_WU)
         kda_fwd_wu_kernel[(NT_total * (NSK + NSV), HV)](
             k, v, beta, gc, rs, xs, w, u, H=H, K=K, V=V, BS=BS_WU, NSK=NSK, NSV=NSV, SIGMOID=opts.beta_sigmoid,
             BETA_SCALE=opts.beta_scale, PREC=PREC, **where, **launch_options(LAUNCH, "wu", BK, BV))

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import activate_gate, contiguous, gate_code, pow2
+from .common import activate_gate, cdiv, contiguous, gate_code, pow2
 
 # value columns and warps per program: many one-warp programs keep the most state loads in
 # flight (H200, N=256 H=32 K=V=128, CUDA graph: BV=16/1 warp 0.356 ms, 32/1 0.373, 32/4 0.404)
@@ -201,8 +201,8 @@ def recurrent_forward(opts, x):
     BK = pow2(K)
     BV, warps = (REC_BV, REC_WARPS) if BK <= 128 else REC_WIDE
     BV = min(pow2(V), BV)
-    if N * HV > 0:  # -(-V // BV): ceil(V / BV) without triton.cdiv, microseconds per host call
-        kda_recurrent_kernel[(-(-V // BV), N * HV)](
+    if N * HV > 0:
+        kda_recurrent_kernel[(cdiv(V, BV), N * HV)](
             q, k, v, g, beta, x.A_log, x.dt_bias, o, h0, ht, x.cu_seqlens, idx, acc, err,
             opts.scale, opts.lower_bound if opts.lower_bound is not None else 0.0, T, num_slots,
             idx.stride(0) if idx is not None else 0, cols,

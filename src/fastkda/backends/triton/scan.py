@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import mma, pow2, sequence_location
+from .common import cdiv, mma, pow2, sequence_location
 
 # launch configuration (module-level so that benchmarks can compare variants)
 SCAN_BV = 64
@@ -115,12 +115,12 @@ def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep
         h = new_empty(p.NT_total, HV, K, V, dtype=p.u.dtype, device=dev)
         vn = new_empty(B, T, HV, V, dtype=p.u.dtype, device=dev)
     elif opts.return_intermediate_states:
-        lead = (1, p.NT_total) if cu_seqlens is not None else (B, triton.cdiv(T, C))
+        lead = (1, p.NT_total) if cu_seqlens is not None else (B, cdiv(T, C))
         h = new_empty(*lead, HV, *opts.state_shape, dtype=torch.float32, device=dev)
     BK = pow2(K)
     BV = min(pow2(V), SCAN_BV)
     if N * HV > 0:
-        kda_fwd_scan_kernel[(triton.cdiv(V, BV), N * HV)](
+        kda_fwd_scan_kernel[(cdiv(V, BV), N * HV)](
             p.w, p.u, p.qg, p.kd, p.Aqk, p.gl, h0, ht, h, o, vn, cu_seqlens, p.chunk_offsets, T,
             HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
             STORE_H=h is not None, STORE_O=o is not None, STORE_VN=vn is not None, V_FIRST=opts.state_v_first,
