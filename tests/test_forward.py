@@ -111,3 +111,48 @@ def test_forward_random_combinations(backend, gate, varlen, gva, beta_mode, l2, 
     o_ref, s_ref = reference(x)
     check("o", o, o_ref, tol_for(case.dtype, backend))
     check("final_state", s, s_ref, tol_for(case.dtype, backend))
+
+
+WHOLE_EXTRA = {  # feature widths that are not powers of two, the widest keys
+    "k48_v40": Case(T=90, K=48, V=40, gate="safe"),
+    "k256": Case(T=70, K=256, V=32, H=1, HV=1, gate="safe", l2norm=True),
+}
+
+
+def _bounded(case):
+    """The case with a bounded gate (safe_gate=True), the rest of its axes kept."""
+    gate = "pregated_safe" if case.gate in ("pregated", "pregated_safe") else "safe"
+    return case.replace(gate=gate, lower_bound=max(case.lower_bound, -5.0))
+
+
+@pytest.mark.parametrize("axis", [*AXES, *WHOLE_EXTRA])
+def test_whole_chunk_path(axis, rng, monkeypatch):
+    """Bounded gates: the Triton forward's whole-chunk path (docs/math.md section 3) on every
+    axis, against the reference, and the block path (which the backward recomputes with, and
+    which disable_recompute keeps from the forward) on the same inputs."""
+    from fastkda.backends.triton import prepare
+
+    case = _bounded(grow(AXES[axis], GPU) if axis in AXES else WHOLE_EXTRA[axis])
+    launches = []
+    kernel = prepare.kda_fwd_intra_chunk_kernel
+
+    class Spy:  # proves which path ran
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(prepare, "kda_fwd_intra_chunk_kernel", Spy())
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    with use_backend("triton"):
+        o, s = chunk_kda(**x, chunk_size=case.chunk_size)
+        assert len(launches) == 1, "the whole-chunk path did not run"
+        xb = {**x, "q": x["q"].detach().clone().requires_grad_(True)}
+        o_b, s_b = chunk_kda(**xb, chunk_size=case.chunk_size, disable_recompute=True)
+        assert len(launches) == 1, "the block path launched the whole-chunk kernel"
+    o_ref, s_ref = reference(x)
+    tol = tol_for(case.dtype, "triton")
+    check("o (whole-chunk path)", o, o_ref, tol)
+    check("o (block path)", o_b.detach(), o_ref, tol)
+    if case.final_state:
+        check("final_state (whole-chunk path)", s, s_ref, tol)
+        check("final_state (block path)", s_b.detach(), s_ref, tol)

@@ -4,8 +4,8 @@
 Stages: ``prepare`` and ``scan`` (chunk forward), ``bwd_scan`` and ``bwd_chunk`` (chunk backward,
 through ``function.ChunkKDAFunction``), ``recurrent`` (decoding), ``gate`` (gate helpers).
 
-Status: the kernels pass the CPU tier; the chunk forward passes most of the GPU tier but is not
-yet faster than fla-core, the backward and the decode and gate kernels have not run on a GPU yet,
+Status: the kernels pass the CPU tier and, forced, the GPU tier (forward, backward, decoding,
+gates); the decode kernel is faster than fla-core's, the chunk forward and backward are not yet,
 so the backend serves only calls that force it (``FASTKDA_BACKEND=triton`` or
 ``fastkda.use_backend("triton")``). See BENCHMARKS.md."""
 

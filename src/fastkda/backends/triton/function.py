@@ -29,8 +29,11 @@ def contiguous_inputs(x: KDAInputs) -> KDAInputs:
 
 def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: bool = False):
     """Stage 1 and the scan on contiguous inputs: (stage-1 output, o, final_state, h, v'); see
-    ``fwd_scan`` for ``outputs`` and ``keep``."""
-    p = fwd_prepare(opts, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, x.cu_seqlens_cpu)
+    ``fwd_scan`` for ``outputs`` and ``keep``. With ``keep`` (what the backward reads), stage 1
+    takes its block path, whose scratches the backward kernels read; otherwise bounded gates take
+    the whole-chunk path (``fwd_prepare``)."""
+    p = fwd_prepare(opts, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, x.cu_seqlens_cpu,
+                    scratch=keep)
     o, ht, h, vn = fwd_scan(opts, p, x.initial_state, x.cu_seqlens, x.v.dtype, *dot_config(x.q.dtype),
                             outputs=outputs, keep=keep)
     return p, o, ht, h, vn

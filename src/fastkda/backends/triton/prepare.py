@@ -1,8 +1,9 @@
 """Forward stage 1, token-parallel: everything a chunk needs that does not depend on the state.
 
 Four launches, each over every (chunk, value head) and, where the work splits further, over the
-chunk's 16-token blocks or its feature slices (small programs, few registers, many of them in
-flight on a GPU; one fused program per chunk ran register-bound at a handful of warps per SM):
+chunk's 16-token blocks, its two matrices or its feature slices. Two paths:
+
+The block path (any gate; the backward's recomputation):
 
     gates    (chunk, block, head)   gate activation, its block-local cumulative sums (``gc``),
                                     the activated gates (``ga``) and the row norms of q and k (``rs``)
@@ -11,17 +12,30 @@ flight on a GPU; one fused program per chunk ran register-bound at a handful of 
     inverse  (chunk, head)          X = (I + Diag(beta) Akk)^-1 (float32) and the chunk decay
     wu       (chunk, slice, head)   one feature slice of w or u
 
-Tiles are [16, BS] (features in slices of BS columns), [C, BS] in the w/u kernel. l2norm, beta sigmoid and the gate
-activation are fused in. Per chunk it writes (docs/math.md section 2):
+The whole-chunk path (bounded gates, ``safe_gate``, when only the scan reads the result):
+
+    gates    (chunk, head)          gate activation, cumulative sums from the chunk start (``gc``),
+                                    the chunk decay (``gl``), the row norms (``rs``)
+    intra    (chunk, matrix, head)  Aqk or Akk of the whole chunk, [C, C] products level by level
+    inverse  (chunk, head)          X, as above
+    wu       (chunk, slice, head)   one feature slice of w or u; the w slices also write q e^G and
+                                    k e^(G_last - G)
+
+Tiles are [16, BS] (features in slices of BS columns) in the block path, [C, BS] in the
+whole-chunk kernels and the w/u kernel. l2norm, beta sigmoid and the gate activation are fused
+in. Per chunk it writes (docs/math.md section 2):
 
     w   = X (beta k e^G)          [C, K]   u  = X (beta v)      [C, V]
     qg  = scale q e^G             [C, K]   kd = k e^(G_last-G)  [C, K]
     Aqk (j <= i, times scale)     [C, C]   gl = e^(G_last)      [K] (float32)
 
-All exponents are base 2 and built as sums of the gates they span, never as a difference of two
-cumulative sums (which loses precision for large gates): within block b, ``c_b`` is the
-inclusive cumulative gate from the block start (scratch ``gc``), ``s_b`` the block total, and
-the gates after a token are a reverse cumulative sum of the stored activated gates (``ga``).
+All exponents are base 2. In the block path they are built as sums of the gates they span, never
+as a difference of two cumulative sums (which loses precision for large gates): within block b,
+``c_b`` is the inclusive cumulative gate from the block start (scratch ``gc``), ``s_b`` the block
+total, and the gates after a token are a reverse cumulative sum of the stored activated gates
+(``ga``). The whole-chunk path takes differences of cumulative sums from the chunk start: bounded
+gates keep those sums below 470 in magnitude, an error below 3e-5 in any exponent (docs/math.md
+section 3).
 """
 
 from __future__ import annotations
@@ -36,9 +50,12 @@ from ...testing import new_empty
 from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tables, gate_code, launch_options, pow2,
                      row_of)
 
-# (warps, register cap or None) of each launch for K, V <= 128; beyond, at least 4 warps
-LAUNCH = {"gates": (4, None), "intra": (2, None), "inverse": (2, None), "wu": (8, None)}  # tools/sweep_launch.py
+# (warps, register cap or None) of each launch for K, V <= 128 (tools/sweep_launch.py); beyond,
+# at least 4 warps. "chunk" is the whole-chunk intra kernel (4 warps, 64-column steps: 0.74 ms at
+# B1 T8192 H64 on the H200; 8 warps or 16-, 32-column steps were slower)
+LAUNCH = {"gates": (4, None), "intra": (2, None), "chunk": (4, None), "inverse": (2, None), "wu": (8, None)}
 SLICE = 32  # feature columns per tile
+CHUNK_SLICE = 64  # feature columns per step of the whole-chunk intra kernel
 WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_launch.py --set)
 
 
@@ -96,16 +113,23 @@ def _bsums(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_d, LO,
 
 
 @triton.jit
+def _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_r, o_d,
+               GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The activated gates (base 2, 0 on padding) of rows t0 + o_r, columns o_d: [rows, BS] float32."""
+    m = ((t0 + o_r) < T_seq)[:, None] & (o_d < K)[None, :]
+    b_g = _tile(g, bos, t0, T_seq, i_hv, HV, K, o_r, o_d)
+    b_g = activate_gate(b_g, A_log, dt_bias, i_hv, o_d, o_d < K, lower_bound, GATE, HAS_A, HAS_BIAS, K)
+    return tl.where(m, b_g * 1.4426950408889634, 0.0)
+
+
+@triton.jit
 def _gates(g, A_log, dt_bias, gc, ga, lower_bound, bos, t0, T_seq, i_hv, o_i, HV: tl.constexpr, K: tl.constexpr,
            BK: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Activate 16 tokens' gates (base 2, 0 on padding); store them (ga) and their block-local
     cumulative sum (gc)."""
     for s in range(0, BK, BS):
         o_d = s + tl.arange(0, BS)
-        m = ((t0 + o_i) < T_seq)[:, None] & (o_d < K)[None, :]
-        b_g = _tile(g, bos, t0, T_seq, i_hv, HV, K, o_i, o_d)
-        b_g = activate_gate(b_g, A_log, dt_bias, i_hv, o_d, o_d < K, lower_bound, GATE, HAS_A, HAS_BIAS, K)
-        b_g = tl.where(m, b_g * 1.4426950408889634, 0.0)
+        b_g = _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_i, o_d, GATE, HAS_A, HAS_BIAS)
         _put(ga, b_g, bos, t0, T_seq, i_hv, HV, K, o_i, o_d)
         _put(gc, tl.cumsum(b_g, 0), bos, t0, T_seq, i_hv, HV, K, o_i, o_d)
 
@@ -113,10 +137,10 @@ def _gates(g, A_log, dt_bias, gc, ga, lower_bound, bos, t0, T_seq, i_hv, o_i, HV
 @triton.jit
 def _rstd(x, bos, t0, T_seq, i_head, NH: tl.constexpr, D: tl.constexpr, o_i, BK: tl.constexpr, BS: tl.constexpr,
           L2NORM: tl.constexpr):
-    """Per-row 1 / sqrt(|x|^2 + 1e-6) of 16 rows (ones without l2norm)."""
+    """Per-row 1 / sqrt(|x|^2 + 1e-6) of the rows t0 + o_i (ones without l2norm)."""
     if not L2NORM:
-        return tl.full([16], 1.0, tl.float32)
-    b_ss = tl.zeros([16], tl.float32)
+        return tl.full([o_i.shape[0]], 1.0, tl.float32)
+    b_ss = tl.zeros([o_i.shape[0]], tl.float32)
     for s in range(0, BK, BS):
         b_x = _tile(x, bos, t0, T_seq, i_head, NH, D, o_i, s + tl.arange(0, BS))
         b_ss += tl.sum(b_x * b_x, 1)
@@ -208,6 +232,76 @@ def _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, J, C: tl.constexp
 
 
 @triton.jit
+def _rows_G(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_r, o_d):
+    """Chunk-wide cumulative gates at chunk rows o_r, columns o_d; a padding row reads the last
+    token's (its own gate is 0)."""
+    o_t = tl.minimum(t0 + o_r, T_seq - 1)
+    return tl.load(gc + (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :], mask=(o_d < K)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict,
+           S: tl.constexpr, PREC: tl.constexpr):
+    """Add one level of a chunk's Aqk (b_x = q) or Akk (b_x = k, ``strict`` = 1: below the diagonal
+    only) for one feature slice (docs/math.md section 3): a [C, C] product whose entries outside
+    the level are discarded. S = 16: the diagonal blocks, anchored at their middle token (factors
+    up to 8 gates, |exponent| <= 58 for bounded gates). S = 32, 64: every S-row segment's second
+    half against its first, anchored at the first half's last token: exponents <= 0 on the entries
+    kept, clamped at 0 elsewhere (finite, discarded)."""
+    i = o_c[:, None]
+    j = o_c[None, :]
+    m = (i // S) == (j // S)
+    if S == 16:
+        b_a = _rows_G(gc, bos, t0, T_seq, i_hv, HV, K, (o_c // 16) * 16 + 8, o_d)  # each row's anchor
+        b_r = tl.exp2(b_G - b_a)
+        b_c = tl.exp2(b_a - b_G)
+        m = m & (j <= i - strict)
+    else:
+        b_a = _rows_G(gc, bos, t0, T_seq, i_hv, HV, K, (o_c // S) * S + S // 2 - 1, o_d)
+        b_r = tl.exp2(tl.minimum(b_G - b_a, 0.0))
+        b_c = tl.exp2(tl.minimum(b_a - b_G, 0.0))
+        m = m & (i % S >= S // 2) & (j % S < S // 2)
+    return b_A + tl.where(m, tl.dot(b_x * b_r, tl.trans(b_k * b_c), input_precision=PREC), 0.0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_fwd_intra_chunk_kernel(
+    q, k, gc, rs, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Bounded gates (the safe path), two programs per chunk: Aqk (times scale; part 0) or Akk (to
+    the scratch ls; part 1) of the whole chunk as [C, C] products level by level, from the
+    cumulative gates of the whole chunk (gc, from the gates kernel in WHOLE mode). For gates of at
+    least -5 (-7.3 in base 2) |G| <= 470, so the difference of two such sums carries an error below
+    3e-5. (One program for both matrices held twice the registers: 255, spilling, 2 blocks per SM.)"""
+    i_m, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 2)
+    i_h = i_hv // (HV // H)
+    o_c = tl.arange(0, C)
+    rs += i_p * 2 * C
+    b_A = tl.zeros([C, C], tl.float32)
+    for s in range(0, BK, BS):
+        o_d = s + tl.arange(0, BS)
+        b_G = _rows_G(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)  # [C, BS]
+        b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d)
+        if i_m == 0:
+            b_x = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d)
+        else:
+            b_x = b_k
+        if C == 64:
+            b_A = _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 64, PREC)
+        b_A = _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 32, PREC)
+        b_A = _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 16, PREC)
+    b_rk = tl.load(rs + C + o_c)[None, :]
+    if i_m == 0:
+        _put(Aqk, b_A * (tl.load(rs + o_c) * scale)[:, None] * b_rk, bos, t0, T_seq, i_hv, HV, C, o_c, o_c)
+    else:
+        tl.store(ls + i_p * C * C + o_c[:, None] * C + o_c[None, :], b_A * tl.load(rs + C + o_c)[:, None] * b_rk,
+                 mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16))
+
+
+@triton.jit
 def _blk(x, row, col, C: tl.constexpr, o_i):
     """The [16, 16] block at rows row.., columns col.. of this program's [C, C] float32 scratch."""
     return tl.load(x + (row + o_i)[:, None] * C + col + o_i[None, :])
@@ -237,21 +331,36 @@ def _mm(a, b):
 
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_gates_kernel(
-    q, k, g, A_log, dt_bias, gc, ga, rs, cu_seqlens, chunk_indices, lower_bound, T,
+    q, k, g, A_log, dt_bias, gc, ga, gl, rs, cu_seqlens, chunk_indices, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
+    WHOLE: tl.constexpr,
 ):
     """Block b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
-    of its rows (rs)."""
-    b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, C // 16)
+    of its rows (rs). With WHOLE (bounded gates), the whole chunk in one program: gc holds the
+    cumulative sums from the chunk start (no ga) and the chunk decay gl is stored too."""
+    NSUB: tl.constexpr = 1 if WHOLE else C // 16
+    b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSUB)
     i_h = i_hv // (HV // H)
-    tb = t0 + 16 * b
-    o_i = tl.arange(0, 16)
-    if tb < T_seq:
-        _gates(g, A_log, dt_bias, gc, ga, lower_bound, bos, tb, T_seq, i_hv, o_i, HV, K, BK, BS, GATE, HAS_A, HAS_BIAS)
     rs += i_p * 2 * C
-    tl.store(rs + 16 * b + o_i, _rstd(q, bos, tb, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
-    tl.store(rs + C + 16 * b + o_i, _rstd(k, bos, tb, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
+    if WHOLE:
+        o_c = tl.arange(0, C)
+        for s in range(0, BK, BS):
+            o_d = s + tl.arange(0, BS)
+            b_g = _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A,
+                             HAS_BIAS)
+            _put(gc, tl.cumsum(b_g, 0), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+            tl.store(gl + i_p * K + o_d, tl.exp2(tl.sum(b_g, 0)), mask=o_d < K)
+        tl.store(rs + o_c, _rstd(q, bos, t0, T_seq, i_h, H, K, o_c, BK, BS, L2NORM))
+        tl.store(rs + C + o_c, _rstd(k, bos, t0, T_seq, i_h, H, K, o_c, BK, BS, L2NORM))
+    else:
+        tb = t0 + 16 * b
+        o_i = tl.arange(0, 16)
+        if tb < T_seq:
+            _gates(g, A_log, dt_bias, gc, ga, lower_bound, bos, tb, T_seq, i_hv, o_i, HV, K, BK, BS, GATE, HAS_A,
+                   HAS_BIAS)
+        tl.store(rs + 16 * b + o_i, _rstd(q, bos, tb, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
+        tl.store(rs + C + 16 * b + o_i, _rstd(k, bos, tb, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -283,10 +392,11 @@ def kda_fwd_intra_kernel(
 def kda_fwd_inverse_kernel(
     beta, gc, ls, xs, gl, cu_seqlens, chunk_indices, T,
     HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, GL: tl.constexpr,
 ):
     """X = (I + L)^-1 with L = Diag(beta) Akk, row block by row block (float32, to the scratch xs):
-    X_rr = (I + L_rr)^-1,  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj.  Then the chunk decay gl."""
+    X_rr = (I + L_rr)^-1,  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj.  Then, with GL, the chunk
+    decay gl from the block sums (the whole-chunk path's gates kernel stores it itself)."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
     o_i = tl.arange(0, 16)
     NC: tl.constexpr = C // 16
@@ -302,9 +412,10 @@ def kda_fwd_inverse_kernel(
                 b_acc += _mm(b_b * _blk(ls, 16 * r, 16 * m, C, o_i), _blk(xs, 16 * m, 16 * j, C, o_i))
             _put_blk(xs, -_mm(b_Xrr, b_acc), 16 * r, 16 * j, C, o_i)
         tl.debug_barrier()  # row block r of xs is read back by other threads for the next rows
-    for s in range(0, BK, BS):
-        o_d = s + tl.arange(0, BS)
-        tl.store(gl + i_p * K + o_d, tl.exp2(_bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, NC)), mask=o_d < K)
+    if GL:
+        for s in range(0, BK, BS):
+            o_d = s + tl.arange(0, BS)
+            tl.store(gl + i_p * K + o_d, tl.exp2(_bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, NC)), mask=o_d < K)
 
 
 @triton.jit
@@ -318,14 +429,16 @@ def _blocks_before(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_wu_kernel(
-    k, v, beta, gc, rs, xs, w, u, cu_seqlens, chunk_indices, T,
+    q, k, v, beta, gc, rs, xs, w, u, qg, kd, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BS: tl.constexpr,
     NSK: tl.constexpr, NSV: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, WHOLE: tl.constexpr,
 ):
     """Feature slice i_s of the chunk's w (the first NSK slices) or u (the rest, NSV), the whole
     chunk as one [C, C] x [C, BS] product (0.50 ms at B1 T8192 H64 on the H200, 8 warps; row block
-    by row block, [16, 16] x [16, BS] products, took 0.71 ms)."""
+    by row block, [16, 16] x [16, BS] products, took 0.71 ms). With WHOLE (after the whole-chunk
+    intra kernel), gc holds cumulative gates from the chunk start and the w slices also store their
+    slice of q e^G and k e^(G_last - G)."""
     i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK + NSV)
     i_h = i_hv // (HV // H)
     NC: tl.constexpr = C // 16
@@ -336,9 +449,19 @@ def kda_fwd_wu_kernel(
     b_b = _beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)  # [C]
     if i_s < NSK:  # w = X (beta k e^G)
         o_d = i_s * BS + tl.arange(0, BS)
-        b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + _blocks_before(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d)
-        b_y = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * (b_b * tl.load(rs + C + o_c))[:, None] * tl.exp2(b_G)
-        _put(w, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+        b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + C + o_c)[:, None]
+        if WHOLE:  # gc holds the cumulative gates from the chunk start (kda_fwd_intra_chunk_kernel)
+            b_G = _rows_G(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+            b_e = tl.exp2(b_G)
+            b_q = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + o_c)[:, None]
+            _put(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+            o_last = (bos + tl.minimum(t0 + C - 1, T_seq - 1)) * (HV * K) + i_hv * K
+            b_last = tl.load(gc + o_last + o_d, mask=o_d < K, other=0.0)  # G at the chunk end   [BS]
+            _put(kd, b_k * tl.exp2(b_last[None, :] - b_G), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+        else:
+            b_e = tl.exp2(_c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+                          + _blocks_before(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d))
+        _put(w, tl.dot(b_X, b_k * b_b[:, None] * b_e, input_precision=PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
     else:  # u = X (beta v)
         o_d = (i_s - NSK) * BS + tl.arange(0, BS)
         b_y = _tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_d) * b_b[:, None]
@@ -365,10 +488,13 @@ class Prepared(NamedTuple):
     NT_total: int
 
 
-def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host) -> Prepared:
-    """Launch stage 1."""
+def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, scratch=True) -> Prepared:
+    """Launch stage 1. With ``scratch=False`` (nothing but the scan reads the result) and bounded
+    gates, the whole-chunk intra kernel replaces the gates and intra kernels and the gate scratches
+    (gc, ga) are neither written nor returned; the backward reads them, so it asks for ``scratch``."""
     s, C = opts.shape, opts.chunk_size
     B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
+    whole = opts.safe_gate and not scratch
     if cu_seqlens is not None:
         chunk_indices, chunk_offsets, NT_total = chunk_tables(cu_host, C, q.device)
     else:
@@ -380,8 +506,8 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host) -> 
     kd = new_empty(B, T, HV, K, dtype=dt, device=dev)
     Aqk = new_empty(B, T, HV, C, dtype=dt, device=dev)
     gl = new_empty(NT_total, HV, K, dtype=torch.float32, device=dev)
-    gc = new_empty(B, T, HV, K, dtype=torch.float32, device=dev)  # block-local cumulative gates
-    ga = new_empty(B, T, HV, K, dtype=torch.float32, device=dev)  # activated gates
+    gc = new_empty(B, T, HV, K, dtype=torch.float32, device=dev)  # cumulative gates (block-local unless whole)
+    ga = None if whole else new_empty(B, T, HV, K, dtype=torch.float32, device=dev)  # activated gates
     ls = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # Akk, lower blocks
     xs = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # (I + L)^-1, lower blocks
     rs = new_empty(NT_total, HV, 2, C, dtype=torch.float32, device=dev)  # 1/|q|, 1/|k| of every row
@@ -391,21 +517,32 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host) -> 
         BS = min(SLICE, BK, BV)
         NC = C // 16
         where = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, HV=HV, C=C, IS_VARLEN=cu_seqlens is not None)
+        gate = dict(lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0, GATE=gate_code(opts.gate),
+                    HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None)
         # gates, intra and inverse do not see V: their launch follows K alone (V = 2K under context
         # parallelism's fused identity run runs the binaries tuned and tested for V = K)
-        kda_fwd_gates_kernel[(NT_total * NC, HV)](
-            q, k, g, A_log, dt_bias, gc, ga, rs, lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0,
-            H=H, K=K, BK=BK, BS=BS, GATE=gate_code(opts.gate), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
-            L2NORM=opts.qk_l2norm, **where, **launch_options(LAUNCH, "gates", BK, BK))
-        kda_fwd_intra_kernel[(NT_total * NC, HV)](
-            q, k, gc, ga, rs, qg, kd, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate,
-            L2NORM=opts.qk_l2norm, PREC=PREC, **where, **launch_options(LAUNCH, "intra", BK, BK))
+        beta_kw = dict(SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale)
+        if whole:
+            kda_fwd_gates_kernel[(NT_total, HV)](
+                q, k, g, A_log, dt_bias, gc, ga, gl, rs, H=H, K=K, BK=BK, BS=BS, L2NORM=opts.qk_l2norm, WHOLE=True,
+                **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
+            kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
+                q, k, gc, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=min(CHUNK_SLICE, BK), PREC=PREC, **where,
+                **launch_options(LAUNCH, "chunk", BK, BK))
+        else:
+            kda_fwd_gates_kernel[(NT_total * NC, HV)](
+                q, k, g, A_log, dt_bias, gc, ga, gl, rs, H=H, K=K, BK=BK, BS=BS, L2NORM=opts.qk_l2norm, WHOLE=False,
+                **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
+            kda_fwd_intra_kernel[(NT_total * NC, HV)](
+                q, k, gc, ga, rs, qg, kd, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate,
+                L2NORM=opts.qk_l2norm, PREC=PREC, **where, **launch_options(LAUNCH, "intra", BK, BK))
         kda_fwd_inverse_kernel[(NT_total, HV)](
-            beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, **where,
+            beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, GL=not whole, **beta_kw, **where,
             **launch_options(LAUNCH, "inverse", BK, BK))
         BS_WU = min(WU_SLICE, BK, BV)
         NSK, NSV = cdiv(K, BS_WU), cdiv(V, BS_WU)
         kda_fwd_wu_kernel[(NT_total * (NSK + NSV), HV)](
-            k, v, beta, gc, rs, xs, w, u, H=H, K=K, V=V, BS=BS_WU, NSK=NSK, NSV=NSV, SIGMOID=opts.beta_sigmoid,
-            BETA_SCALE=opts.beta_scale, PREC=PREC, **where, **launch_options(LAUNCH, "wu", BK, BV))
+            q, k, v, beta, gc, rs, xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS_WU, NSK=NSK, NSV=NSV,
+            SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, PREC=PREC, WHOLE=whole, **where,
+            **launch_options(LAUNCH, "wu", BK, BV))
     return Prepared(w, u, qg, kd, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total)
