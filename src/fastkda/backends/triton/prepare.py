@@ -34,7 +34,8 @@ as a difference of two cumulative sums (which loses precision for large gates): 
 ``c_b`` is the inclusive cumulative gate from the block start (scratch ``gc``), ``s_b`` the block
 total, and the gates after a token are a reverse cumulative sum of the stored activated gates
 (``ga``). The whole-chunk path takes differences of cumulative sums from the chunk start: bounded
-gates keep those sums below 470 in magnitude, an error below 3e-5 in any exponent (docs/math.md
+gates keep those sums below 462 in magnitude, so a difference carries an error of about 1e-4 at
+most (a few float32 roundings of the sums), below the products' own precision (docs/math.md
 section 3).
 """
 
@@ -61,7 +62,7 @@ WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_l
 
 @triton.jit
 def _tile(x, bos, t0, T_seq, i_head, NH: tl.constexpr, D: tl.constexpr, o_i, o_d):
-    """Rows t0..t0+15 of x [.., NH, D] at head i_head, columns o_d, as float32 (0 outside)."""
+    """Rows t0 + o_i of x [.., NH, D] at head i_head, columns o_d, as float32 (0 outside)."""
     o_t = t0 + o_i
     m = (o_t < T_seq)[:, None] & (o_d < D)[None, :]
     p = x + (bos + o_t).to(tl.int64)[:, None] * (NH * D) + i_head * D + o_d[None, :]
@@ -70,7 +71,7 @@ def _tile(x, bos, t0, T_seq, i_head, NH: tl.constexpr, D: tl.constexpr, o_i, o_d
 
 @triton.jit
 def _put(x, b_x, bos, t0, T_seq, i_head, NH: tl.constexpr, D: tl.constexpr, o_i, o_d):
-    """Store a [16, BS] tile at rows t0.. of x [.., NH, D] (rows past the sequence end skipped)."""
+    """Store a tile at rows t0 + o_i of x [.., NH, D] (rows past the sequence end skipped)."""
     o_t = t0 + o_i
     m = (o_t < T_seq)[:, None] & (o_d < D)[None, :]
     tl.store(x + (bos + o_t).to(tl.int64)[:, None] * (NH * D) + i_head * D + o_d[None, :], b_x.to(x.dtype.element_ty), mask=m)
@@ -78,8 +79,9 @@ def _put(x, b_x, bos, t0, T_seq, i_head, NH: tl.constexpr, D: tl.constexpr, o_i,
 
 @triton.jit
 def _c(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_i, o_d):
-    """Block-local cumulative gate of 16 tokens: padding rows of a partly filled block repeat its
-    last token (their gate is 0); a block of padding only is 0."""
+    """Cumulative gates stored in gc at rows t0 + o_i (block-local in the block path, from the chunk
+    start in the whole-chunk path): a padding row repeats the last token's (its gate is 0); all 0
+    when t0 is past the end (a block of padding only)."""
     o_t = tl.minimum(t0 + o_i, T_seq - 1)
     p = gc + (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :]
     b_c = tl.load(p, mask=(o_d < K)[None, :], other=0.0)
@@ -232,15 +234,6 @@ def _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, J, C: tl.constexp
 
 
 @triton.jit
-def _rows_G(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_r, o_d):
-    """Chunk-wide cumulative gates at chunk rows o_r, columns o_d; a padding row reads the last
-    token's (its own gate is 0)."""
-    o_t = tl.minimum(t0 + o_r, T_seq - 1)
-    return tl.load(gc + (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :], mask=(o_d < K)[None, :],
-                   other=0.0)
-
-
-@triton.jit
 def _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict,
            S: tl.constexpr, PREC: tl.constexpr):
     """Add one level of a chunk's Aqk (b_x = q) or Akk (b_x = k, ``strict`` = 1: below the diagonal
@@ -253,12 +246,12 @@ def _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl
     j = o_c[None, :]
     m = (i // S) == (j // S)
     if S == 16:
-        b_a = _rows_G(gc, bos, t0, T_seq, i_hv, HV, K, (o_c // 16) * 16 + 8, o_d)  # each row's anchor
+        b_a = _c(gc, bos, t0, T_seq, i_hv, HV, K, (o_c // 16) * 16 + 8, o_d)  # each row's anchor
         b_r = tl.exp2(b_G - b_a)
         b_c = tl.exp2(b_a - b_G)
         m = m & (j <= i - strict)
     else:
-        b_a = _rows_G(gc, bos, t0, T_seq, i_hv, HV, K, (o_c // S) * S + S // 2 - 1, o_d)
+        b_a = _c(gc, bos, t0, T_seq, i_hv, HV, K, (o_c // S) * S + S // 2 - 1, o_d)
         b_r = tl.exp2(tl.minimum(b_G - b_a, 0.0))
         b_c = tl.exp2(tl.minimum(b_a - b_G, 0.0))
         m = m & (i % S >= S // 2) & (j % S < S // 2)
@@ -274,8 +267,8 @@ def kda_fwd_intra_chunk_kernel(
     """Bounded gates (the safe path), two programs per chunk: Aqk (times scale; part 0) or Akk (to
     the scratch ls; part 1) of the whole chunk as [C, C] products level by level, from the
     cumulative gates of the whole chunk (gc, from the gates kernel in WHOLE mode). For gates of at
-    least -5 (-7.3 in base 2) |G| <= 470, so the difference of two such sums carries an error below
-    3e-5. (One program for both matrices held twice the registers: 255, spilling, 2 blocks per SM.)"""
+    least -5 (-7.22 in base 2) |G| <= 462, so the difference of two such sums carries an error of
+    about 1e-4 at most. (One program for both matrices held 255 registers, 2 blocks per SM.)"""
     i_m, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 2)
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, C)
@@ -283,7 +276,7 @@ def kda_fwd_intra_chunk_kernel(
     b_A = tl.zeros([C, C], tl.float32)
     for s in range(0, BK, BS):
         o_d = s + tl.arange(0, BS)
-        b_G = _rows_G(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)  # [C, BS]
+        b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)  # [C, BS]
         b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d)
         if i_m == 0:
             b_x = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d)
@@ -436,9 +429,9 @@ def kda_fwd_wu_kernel(
 ):
     """Feature slice i_s of the chunk's w (the first NSK slices) or u (the rest, NSV), the whole
     chunk as one [C, C] x [C, BS] product (0.50 ms at B1 T8192 H64 on the H200, 8 warps; row block
-    by row block, [16, 16] x [16, BS] products, took 0.71 ms). With WHOLE (after the whole-chunk
-    intra kernel), gc holds cumulative gates from the chunk start and the w slices also store their
-    slice of q e^G and k e^(G_last - G)."""
+    by row block, [16, 16] x [16, BS] products, took 0.71 ms). With WHOLE (the whole-chunk path),
+    gc holds cumulative gates from the chunk start (the gates kernel in WHOLE mode) and the w slices
+    also store their slice of q e^G and k e^(G_last - G)."""
     i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK + NSV)
     i_h = i_hv // (HV // H)
     NC: tl.constexpr = C // 16
@@ -450,8 +443,8 @@ def kda_fwd_wu_kernel(
     if i_s < NSK:  # w = X (beta k e^G)
         o_d = i_s * BS + tl.arange(0, BS)
         b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + C + o_c)[:, None]
-        if WHOLE:  # gc holds the cumulative gates from the chunk start (kda_fwd_intra_chunk_kernel)
-            b_G = _rows_G(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+        if WHOLE:  # gc holds the cumulative gates from the chunk start
+            b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
             b_e = tl.exp2(b_G)
             b_q = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + o_c)[:, None]
             _put(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
@@ -478,8 +471,8 @@ class Prepared(NamedTuple):
     kd: torch.Tensor
     Aqk: torch.Tensor
     gl: torch.Tensor
-    gc: torch.Tensor  # block-local cumulative gates, base 2          [B, T, HV, K]
-    ga: torch.Tensor  # activated gates, base 2                       [B, T, HV, K]
+    gc: torch.Tensor  # cumulative gates, base 2 (block-local; from the chunk start in the whole-chunk path)
+    ga: torch.Tensor | None  # activated gates, base 2 (None in the whole-chunk path)   [B, T, HV, K]
     ls: torch.Tensor  # Akk, lower blocks                              [NT, HV, C, C]
     xs: torch.Tensor  # X = (I + Diag(beta) Akk)^-1, lower blocks      [NT, HV, C, C]
     rs: torch.Tensor  # 1/|q|, 1/|k| of every row                      [NT, HV, 2, C]
@@ -489,9 +482,9 @@ class Prepared(NamedTuple):
 
 
 def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, scratch=True) -> Prepared:
-    """Launch stage 1. With ``scratch=False`` (nothing but the scan reads the result) and bounded
-    gates, the whole-chunk intra kernel replaces the gates and intra kernels and the gate scratches
-    (gc, ga) are neither written nor returned; the backward reads them, so it asks for ``scratch``."""
+    """Launch stage 1. With ``scratch=False`` (nothing but the scan reads the result) bounded gates
+    take the whole-chunk path: ``gc`` then holds cumulative gates from the chunk start and ``ga`` is
+    None. The backward reads the block path's scratches, so it asks for ``scratch``."""
     s, C = opts.shape, opts.chunk_size
     B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
     whole = opts.safe_gate and not scratch
