@@ -515,17 +515,14 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, scr
         # gates, intra and inverse do not see V: their launch follows K alone (V = 2K under context
         # parallelism's fused identity run runs the binaries tuned and tested for V = K)
         beta_kw = dict(SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale)
+        kda_fwd_gates_kernel[(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
+            q, k, g, A_log, dt_bias, gc, ga, gl, rs, H=H, K=K, BK=BK, BS=BS, L2NORM=opts.qk_l2norm, WHOLE=whole,
+            **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
         if whole:
-            kda_fwd_gates_kernel[(NT_total, HV)](
-                q, k, g, A_log, dt_bias, gc, ga, gl, rs, H=H, K=K, BK=BK, BS=BS, L2NORM=opts.qk_l2norm, WHOLE=True,
-                **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
             kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
                 q, k, gc, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=min(CHUNK_SLICE, BK), PREC=PREC, **where,
                 **launch_options(LAUNCH, "chunk", BK, BK))
         else:
-            kda_fwd_gates_kernel[(NT_total * NC, HV)](
-                q, k, g, A_log, dt_bias, gc, ga, gl, rs, H=H, K=K, BK=BK, BS=BS, L2NORM=opts.qk_l2norm, WHOLE=False,
-                **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
             kda_fwd_intra_kernel[(NT_total * NC, HV)](
                 q, k, gc, ga, rs, qg, kd, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate,
                 L2NORM=opts.qk_l2norm, PREC=PREC, **where, **launch_options(LAUNCH, "intra", BK, BK))
@@ -536,6 +533,5 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, scr
         NSK, NSV = cdiv(K, BS_WU), cdiv(V, BS_WU)
         kda_fwd_wu_kernel[(NT_total * (NSK + NSV), HV)](
             q, k, v, beta, gc, rs, xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS_WU, NSK=NSK, NSV=NSV,
-            SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, PREC=PREC, WHOLE=whole, **where,
-            **launch_options(LAUNCH, "wu", BK, BV))
+            PREC=PREC, WHOLE=whole, **beta_kw, **where, **launch_options(LAUNCH, "wu", BK, BV))
     return Prepared(w, u, qg, kd, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total)
