@@ -114,3 +114,19 @@ def test_torch_is_the_cpu_default():
     x = make_inputs(Case(T=5))
     opts, inputs = _options(x)
     assert select("chunk_kda", opts, inputs)[0].name == "torch"
+
+
+@pytest.mark.gpu
+def test_triton_is_the_cuda_default(monkeypatch):
+    """Unforced CUDA calls of chunk_kda and fused_recurrent_kda go to the Triton backend."""
+    import torch
+
+    from fastkda import explain, fused_recurrent_kda
+
+    monkeypatch.delenv("FASTKDA_BACKEND", raising=False)
+    x = make_inputs(Case(T=70, H=2, K=32, V=32), device="cuda")
+    for fn in (chunk_kda, fused_recurrent_kda):
+        name, reasons = explain(fn, **x)
+        assert name == "triton", reasons
+        o = fn(**x)[0]
+        assert torch.isfinite(o).all()

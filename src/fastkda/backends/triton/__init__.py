@@ -4,10 +4,10 @@
 Stages: ``prepare`` and ``scan`` (chunk forward), ``bwd_scan`` and ``bwd_chunk`` (chunk backward,
 through ``function.ChunkKDAFunction``), ``recurrent`` (decoding), ``gate`` (gate helpers).
 
-Status: the kernels pass the CPU tier and, forced, the GPU tier (forward, backward, decoding,
-gates); the decode kernel is faster than fla-core's, the chunk forward and backward are not yet,
-so the backend serves only calls that force it (``FASTKDA_BACKEND=triton`` or
-``fastkda.use_backend("triton")``). See BENCHMARKS.md."""
+The default for CUDA tensors on NVIDIA GPUs (priority above the PyTorch backend, which runs the
+same math in many more launches). CPU tensors go to it only when it is forced
+(``FASTKDA_BACKEND=triton`` or ``fastkda.use_backend("triton")``) under ``TRITON_INTERPRET=1``.
+Speed against fla-core: BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -46,9 +46,7 @@ class TritonBackend(Backend):
         if t.device.type == "cuda":
             if not platform.IS_NVIDIA:
                 return False, "CUDA device is not NVIDIA"
-            if forced_backend() != self.name:
-                return False, "experimental: serves only calls that force it (FASTKDA_BACKEND=triton)"
-            return True, "NVIDIA GPU (forced)"
+            return True, "NVIDIA GPU"
         if t.device.type == "cpu" and platform.triton_interpret():
             if forced_backend() == self.name:
                 return True, "CPU tensors in the Triton interpreter (forced)"
