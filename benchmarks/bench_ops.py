@@ -143,8 +143,8 @@ def breakdown(name="B1 T8192 H64"):
     rows = []
     with torch.inference_mode():
         opts, inp = chunk_options(*x.values(), **call)
-        args = (opts, inp.q, inp.k, inp.v, inp.g, inp.beta, inp.A_log, inp.dt_bias, None, None)
-        out = prepare.fwd_prepare(*args)
+        args = (opts, inp.q, inp.k, inp.v, inp.g, inp.beta, inp.A_log, inp.dt_bias, None, None, opts.safe_gate)
+        out = prepare.fwd_prepare(*args)  # the path inference takes
         ms = tt.do_bench(lambda: prepare.fwd_prepare(*args), warmup=25, rep=100, return_mode="median")
         rows.append({"stage": "prepare", "ms": ms})
         print(f"{name}: prepare (4 launches): {ms:.3f} ms", flush=True)

@@ -54,6 +54,12 @@ def check_grads(got: dict, want: dict, x: dict, tol: float):
             check(f"d{name}", got[name], ref, tol)
 
 
+def bounded(case):
+    """The case with a bounded gate (safe_gate=True), the rest of its axes kept."""
+    gate = "pregated_safe" if case.gate in ("pregated", "pregated_safe") else "safe"
+    return case.replace(gate=gate, lower_bound=max(case.lower_bound, -5.0))
+
+
 def tol_for(dtype: torch.dtype, backend: str = "torch") -> float:
     return tolerance(dtype, backend)
 
@@ -62,4 +68,4 @@ def finite(t):
     return t is not None and bool(torch.isfinite(t).all())
 
 
-__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "tol_for", "finite", "math"]
+__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "tol_for", "bounded", "finite", "math"]

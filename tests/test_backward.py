@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import BACKWARD_BACKENDS, DEVICE, GPU
-from helpers import AXES, OPTION_SPACE, check, check_grads, grow, random_case, tol_for
+from helpers import AXES, OPTION_SPACE, bounded, check, check_grads, grow, random_case, tol_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -96,6 +96,44 @@ def test_triton_pair_sums(axis, dtype, exact, rng, monkeypatch):
     case = grow(BWD_AXES[axis].replace(dtype=dtype), GPU)
     x, got, want = grads("triton", case, rng)
     check_grads(got, want, x, tol_for(torch.bfloat16 if dtype == torch.float32 else dtype, "triton"))
+
+
+WHOLE_BWD_EXTRA = {  # feature widths that are not powers of two, the widest keys, a ragged varlen GVA batch
+    "k48_v40": Case(T=90, K=48, V=40, gate="safe", dtype=torch.bfloat16),
+    "k256": Case(T=40, K=256, V=32, H=1, HV=1, gate="safe", l2norm=True),
+    "ragged_varlen_gva": Case(seqlens=(1, 70, 0, 47, 18), H=1, HV=3, gate="safe", l2norm=True, beta_sigmoid=True,
+                              dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("axis", [*BWD_AXES, *WHOLE_BWD_EXTRA])
+def test_whole_chunk_backward(axis, rng, monkeypatch):
+    """Bounded gates on every axis: the backward after the whole-chunk stage 1, its gate kernel
+    summing every pair of a chunk from row and column sums (docs/math.md section 5). 16-bit inputs
+    take it by default and keep their budget; float32 inputs are forced through it and held to
+    float16's, the accuracy class of those sums (float32 takes the exact block path by default)."""
+    from fastkda.backends.triton import bwd_chunk
+
+    case = bounded(grow(BWD_AXES[axis], GPU) if axis in BWD_AXES else WHOLE_BWD_EXTRA[axis])
+    if case.dtype == torch.float32:
+        monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", True)
+    launches = {"whole": 0, "block": 0}
+
+    class Spy:  # proves which gate kernel ran
+        def __init__(self, kernel, key):
+            self.kernel, self.key = kernel, key
+
+        def __getitem__(self, grid):
+            launches[self.key] += 1
+            return self.kernel[grid]
+
+    monkeypatch.setattr(bwd_chunk, "kda_bwd_gate_chunk_kernel", Spy(bwd_chunk.kda_bwd_gate_chunk_kernel, "whole"))
+    monkeypatch.setattr(bwd_chunk, "kda_bwd_gate_kernel", Spy(bwd_chunk.kda_bwd_gate_kernel, "block"))
+    x, got, want = grads("triton", case, rng)
+    if any(t > 0 for t in (case.seqlens or (case.T,))):
+        assert launches == {"whole": 1, "block": 0}, launches
+    check_grads(got, want, x, tol_for(torch.float16 if case.dtype == torch.float32 else case.dtype, "triton"))
 
 
 @pytest.mark.parametrize("backend", BACKWARD_BACKENDS)

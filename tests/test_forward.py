@@ -4,7 +4,7 @@ per-token reference."""
 import pytest
 import torch
 from conftest import BACKENDS, DEVICE, GPU
-from helpers import AXES, OPTION_SPACE, check, grow, random_case, tol_for
+from helpers import AXES, OPTION_SPACE, bounded, check, grow, random_case, tol_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -121,20 +121,15 @@ WHOLE_EXTRA = {  # feature widths that are not powers of two, the widest keys; k
 }
 
 
-def _bounded(case):
-    """The case with a bounded gate (safe_gate=True), the rest of its axes kept."""
-    gate = "pregated_safe" if case.gate in ("pregated", "pregated_safe") else "safe"
-    return case.replace(gate=gate, lower_bound=max(case.lower_bound, -5.0))
-
-
 @pytest.mark.parametrize("axis", [*AXES, *WHOLE_EXTRA])
 def test_whole_chunk_path(axis, rng, monkeypatch):
     """Bounded gates: the Triton forward's whole-chunk path (docs/math.md section 3) on every
     axis, against the reference, and the block path (which the backward recomputes with, and
-    which disable_recompute keeps from the forward) on the same inputs."""
-    from fastkda.backends.triton import prepare
+    which disable_recompute keeps from the forward for float32 inputs) on the same inputs."""
+    from fastkda.backends.triton import bwd_chunk, prepare
 
-    case = _bounded(grow(AXES[axis], GPU) if axis in AXES else WHOLE_EXTRA[axis])
+    monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", False)  # disable_recompute below: the block path
+    case = bounded(grow(AXES[axis], GPU) if axis in AXES else WHOLE_EXTRA[axis])
     launches = []
     kernel = prepare.kda_fwd_intra_chunk_kernel
 

@@ -30,10 +30,11 @@ import triton.language as tl
 from ...testing import new_empty
 from .common import block_lower, cdiv, chunk_program, gate_backward, gate_code, launch_options, pow2, row_of
 from .scan import _state_ptrs
-from .prepare import SLICE, _beta, _blk, _bsums, _c, _put, _tile, _x
+from .prepare import SLICE, _anchored, _beta, _blk, _bsums, _c, _put, _tile, _x
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
-LAUNCH = {"v": (8, None), "k": (2, 128), "gate": (2, 128)}  # tools/sweep_launch.py; "v" not yet swept
+LAUNCH = {"v": (8, None), "k": (2, 128), "gate": (2, 128), "gate_chunk": (8, None)}  # tools/sweep_launch.py; "v" not yet swept
+GATE_CHUNK_SLICE = 32  # feature columns per program of kda_bwd_gate_chunk_kernel
 # Within-block pair terms of dg: summed exactly (i >= t > j, one column at a time) or as row sums
 # minus column sums of the block's products, whose rounding leaves a residue of the cancelling
 # pairs (float32 products: up to 2e-4 of dg at extreme gates on the CPU tier, within the 16-bit
@@ -41,6 +42,24 @@ LAUNCH = {"v": (8, None), "k": (2, 128), "gate": (2, 128)}  # tools/sweep_launch
 # diagonal blocks' products run as tf32x3 (float32 accuracy), since one tf32 rounding of a pair
 # term would leave a thousandfold larger residue.
 EXACT_PAIRS = None
+# Bounded gates (safe_gate) whose pair terms are summed from row and column sums (16-bit inputs,
+# EXACT_PAIRS None or False) take the whole-chunk path end to end: stage 1 (also when the backward
+# recomputes or keeps it) and kda_bwd_gate_chunk_kernel, with every pair over the chunk summed that
+# way. True/False force it on or off for bounded gates; None: as EXACT_PAIRS decides.
+WHOLE_BACKWARD = None
+# Products of that kernel for 16-bit inputs (float32 inputs: ieee). tf32x3 keeps the row and
+# column sums of a pair's term equal to float32 accuracy, so that their cancellation in dg leaves
+# float32 rounding behind (docs/math.md section 5).
+PAIR_PREC = "tf32x3"
+
+
+def whole_backward(opts, dtype: torch.dtype) -> bool:
+    """Whether the backward of these options takes the whole-chunk path (see WHOLE_BACKWARD)."""
+    if not opts.safe_gate:
+        return False
+    if WHOLE_BACKWARD is not None:
+        return WHOLE_BACKWARD
+    return not (EXACT_PAIRS if EXACT_PAIRS is not None else dtype == torch.float32)
 
 
 @triton.jit
@@ -127,9 +146,10 @@ def kda_bwd_k_kernel(
     k, beta, w, gc, ls, xs, rs, s_dw, s_dL, s_db, dbeta,
     cu_seqlens, chunk_indices, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, WHOLE: tl.constexpr,
 ):
-    """Phase B: the contractions over K, row block by row block (dw is overwritten with dkg)."""
+    """Phase B: the contractions over K, row block by row block (dw is overwritten with dkg). With
+    WHOLE, gc holds cumulative gates from the chunk start (the whole-chunk stage 1)."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
     i_h = i_hv // (HV // H)
     o_i = tl.arange(0, 16)
@@ -153,7 +173,9 @@ def kda_bwd_k_kernel(
             b_dwC = tl.load(s_dw + (bos + t0 + o_c).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :],
                             mask=((o_c >= 16 * r) & (t0 + o_c < T_seq))[:, None] & (o_d < K)[None, :], other=0.0)
             b_bw = _mm(tl.trans(b_Xc), b_dwC, PREC)  # [16, BS]
-            b_G = _c(gc, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, r)[None, :]
+            b_G = _c(gc, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+            if not WHOLE:  # block-local sums: add the blocks before
+                b_G += _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, r)[None, :]
             b_kg = _tile(k, bos, tr, T_seq, i_h, H, K, o_i, o_d) * b_rk[:, None] * tl.exp2(b_G)
             b_db += tl.sum(b_kg * b_bw, 1)
             b_dL -= _mm(b_bw, tl.trans(_tile(w, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)), PREC)
@@ -172,6 +194,101 @@ def kda_bwd_k_kernel(
             b_x = tl.load(p_b, mask=m_t, other=0.0).to(tl.float32)
             b_db = b_db * BETA_SCALE * tl.sigmoid(b_x) * tl.sigmoid(-b_x)
         tl.store(dbeta + (bos + o_t).to(tl.int64) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+
+
+@triton.jit
+def _dg_out(g, A_log, dt_bias, dg, b_dgr, lower_bound, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_r,
+            o_d, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Store dg of rows t0 + o_r (b_dgr: the gradient of the activated gates) through the gate
+    activation; return the column sums of those rows' dA_log and dt_bias terms ([BS] each)."""
+    m_d = o_d < K
+    m = ((t0 + o_r) < T_seq)[:, None] & m_d[None, :]
+    b_sA = tl.zeros_like(o_d.to(tl.float32))
+    b_sb = tl.zeros_like(o_d.to(tl.float32))
+    if GATE != 0:
+        b_x = _tile(g, bos, t0, T_seq, i_hv, HV, K, o_r, o_d)
+        if HAS_BIAS:
+            b_x += tl.load(dt_bias + i_hv * K + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+        b_dgr, b_dAt = gate_backward(b_x, b_dgr, A_log, i_hv, lower_bound, GATE, HAS_A)
+        b_dgr = tl.where(m, b_dgr, 0.0)
+        b_sA = tl.sum(tl.where(m, b_dAt, 0.0), 0)
+        b_sb = tl.sum(b_dgr, 0)
+    _put(dg, b_dgr, bos, t0, T_seq, i_hv, HV, K, o_r, o_d)
+    return b_sA, b_sb
+
+
+@triton.jit
+def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr,
+                K: tl.constexpr, o_c, o_d, S: tl.constexpr, PREC: tl.constexpr):
+    """Add level S of the pair terms (anchored as in the forward, prepare._anchored) to dq (rows of
+    dAqk), dk through the rows of dAkk (dkr) and dk through the columns of both (dkc). The [C, C]
+    gradients are loaded per level, the level's entries only (one of them in registers at a time)."""
+    m, b_r, b_c = _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, 0, S)
+    b_kc = b_k * b_c
+    b_M = tl.load(s_dA + o_cc, mask=m, other=0.0)
+    b_dq += b_r * _mm(b_M, b_kc, PREC)
+    b_col = _mm(tl.trans(b_M), b_q * b_r, PREC)
+    b_M = tl.load(s_dL + o_cc, mask=m, other=0.0)
+    b_dkr += b_r * _mm(b_M, b_kc, PREC)
+    b_dkc += b_c * (b_col + _mm(tl.trans(b_M), b_k * b_r, PREC))
+    return b_dq, b_dkr, b_dkc
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_gate_chunk_kernel(
+    q, k, g, A_log, dt_bias, gc, rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
+    dg, dA_part, dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, NSK: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    PAIR_PREC: tl.constexpr, PREFIX_PREC: tl.constexpr,
+):
+    """Phase C for bounded gates after the whole-chunk stage 1 (gc from the chunk start), one
+    feature slice of a chunk: the pair terms of dAqk and dAkk as [C, C] x [C, BS] products level by
+    level, and dg as a reverse cumulative sum of dG over the chunk, its pair terms as row sums minus
+    column sums (docs/math.md section 5). dq and dk of this value head (before l2norm) replace dqg
+    and dkd."""
+    i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK)
+    i_h = i_hv // (HV // H)
+    o_c = tl.arange(0, C)
+    o_d = i_s * BS + tl.arange(0, BS)
+    m_d = o_d < K
+    rs += i_p * 2 * C
+    o_cc = i_p * C * C + o_c[:, None] * C + o_c[None, :]  # dAqk (times scale, lower) and dAkk (strictly lower)
+    b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)  # [C, BS]
+    b_q = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + o_c)[:, None]
+    b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + C + o_c)[:, None]
+    b_dq = tl.zeros([C, BS], tl.float32)
+    b_dkr = tl.zeros([C, BS], tl.float32)
+    b_dkc = tl.zeros([C, BS], tl.float32)
+    if C == 64:
+        b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV,
+                                         K, o_c, o_d, 64, PAIR_PREC)
+    b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K,
+                                     o_c, o_d, 32, PAIR_PREC)
+    b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K,
+                                     o_c, o_d, 16, PAIR_PREC)
+    # qg = scale q e^G, kd = k e^(G_last - G), kg = k e^G
+    o_last = (bos + tl.minimum(t0 + C - 1, T_seq - 1)) * (HV * K) + i_hv * K
+    b_last = tl.load(gc + o_last + o_d, mask=m_d, other=0.0)  # G at the chunk end   [BS]
+    b_eG = tl.exp2(b_G)
+    b_dqg = _tile(s_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * (scale * b_eG)
+    b_dkd = _tile(s_dkd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * tl.exp2(b_last[None, :] - b_G)
+    b_dkg = _tile(s_dw, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * b_eG
+    _put(s_dqg, b_dq + b_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+    _put(s_dkd, b_dkr + b_dkc + b_dkd + b_dkg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+    # dg_t = sum_{i >= t} dG_i + sum_{i < t} kd_i dkd_i + gl dgam (the chunk decay reaches every
+    # token); the kd terms as an exclusive prefix sum (a product with a strictly lower matrix: never
+    # an inclusive sum minus the term itself, which would lose a small prefix next to a large term)
+    b_dG = b_q * (b_dq + b_dqg) + b_k * (b_dkr - b_dkc + b_dkg)
+    b_strict = tl.where(o_c[:, None] > o_c[None, :], 1.0, 0.0)
+    b_gam = tl.exp2(b_last) * tl.load(s_dgam + i_p * K + o_d, mask=m_d, other=0.0)
+    b_dgr = tl.cumsum(b_dG, 0, reverse=True) + _mm(b_strict, b_k * b_dkd, PREFIX_PREC) + b_gam[None, :]
+    b_sA, b_sb = _dg_out(g, A_log, dt_bias, dg, b_dgr, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A,
+                         HAS_BIAS)
+    if HAS_BIAS:
+        tl.store(dbias_part + i_p * K + o_d, b_sb, mask=m_d)
+    if HAS_A:
+        tl.store(dA_part + i_p * NSK + i_s, tl.sum(b_sA, 0))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -313,16 +430,10 @@ def kda_bwd_gate_kernel(
             + _mm(b_strict, b_k * b_dkd, "ieee")  # exclusive prefix of y
         b_carry += tl.sum(b_dG, 0)
         tl.debug_barrier()  # s_B of this block is read by the earlier blocks
-        m = ((tr + o_i) < T_seq)[:, None] & m_d[None, :]
-        if GATE != 0:
-            b_x = _tile(g, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
-            if HAS_BIAS:
-                b_x += tl.load(dt_bias + i_hv * K + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
-            b_dgr, b_dAt = gate_backward(b_x, b_dgr, A_log, i_hv, lower_bound, GATE, HAS_A)
-            b_dgr = tl.where(m, b_dgr, 0.0)
-            b_dA_sum += tl.sum(tl.where(m, b_dAt, 0.0), 0)
-            b_dbias += tl.sum(b_dgr, 0)
-        _put(dg, b_dgr, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+        b_sA, b_sb = _dg_out(g, A_log, dt_bias, dg, b_dgr, lower_bound, bos, tr, T_seq, i_hv, HV, K, o_i, o_d,
+                             GATE, HAS_A, HAS_BIAS)
+        b_dA_sum += b_sA
+        b_dbias += b_sb
     if HAS_BIAS:
         tl.store(dbias_part + i_p * K + o_d, b_dbias, mask=m_d)
     if HAS_A:
@@ -374,8 +485,6 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
     s_dA, s_dL = (new_empty(NT, HV, C, C, **f32) for _ in range(2))
     s_db = new_empty(NT, HV, C, **f32)
     s_dgam = new_empty(NT, HV, K, **f32)
-    s_yb = new_empty(NT, HV, C // 16, K, **f32)
-    s_B = new_empty(NT, HV, C // 16, C // 16, K, **f32)
     dv = new_empty(B, T, HV, V, dtype=x.v.dtype, device=dev)
     dg = new_empty(B, T, HV, K, dtype=x.g.dtype, device=dev)
     dbeta = new_empty(*x.beta.shape, dtype=x.beta.dtype, device=dev)
@@ -394,17 +503,31 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
             x.v, x.beta, p.u, vn, h, dhs, do, dvn, p.xs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, dv,
             scale=opts.scale, K=K, V=V, BKS=BKS, NKS=NKS, BV=BV, BS=BS, **beta_kw, **where,
             **launch_options(LAUNCH, "v", BK, BV))
+        whole = p.ga is None  # stage 1 took the whole-chunk path: gc from the chunk start
         kda_bwd_k_kernel[(NT, HV)](
             x.k, x.beta, p.w, p.gc, p.ls, p.xs, p.rs, s_dw, s_dL, s_db, dbeta,
-            H=H, K=K, BK=BK, BS=BS, **beta_kw, **where, **launch_options(LAUNCH, "k", BK, BV))
+            H=H, K=K, BK=BK, BS=BS, WHOLE=whole, **beta_kw, **where, **launch_options(LAUNCH, "k", BK, BV))
         dA_part = new_empty(NT, HV, NSK, **f32) if x.A_log is not None else None
-        exact = EXACT_PAIRS if EXACT_PAIRS is not None else x.q.dtype == torch.float32
-        kda_bwd_gate_kernel[(NT * NSK, HV)](
-            x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.ga, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam, s_yb, s_B,
-            dg, dA_part, dbias_part, scale=opts.scale,
-            lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0, H=H, K=K, BS=BS, NSK=NSK,
-            GATE=gate_code(opts.gate), HAS_A=x.A_log is not None, HAS_BIAS=x.dt_bias is not None, SAFE=opts.safe_gate,
-            EXACT=exact, DIAG_PREC=PREC if exact else "tf32x3", **where, **launch_options(LAUNCH, "gate", BK, BV))
+        gate = dict(lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0, GATE=gate_code(opts.gate),
+                    HAS_A=x.A_log is not None, HAS_BIAS=x.dt_bias is not None)
+        if whole:
+            BSC = min(GATE_CHUNK_SLICE, BK)
+            NSC = cdiv(K, BSC)
+            dA_part = new_empty(NT, HV, NSC, **f32) if x.A_log is not None else None
+            kda_bwd_gate_chunk_kernel[(NT * NSC, HV)](
+                x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
+                dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=BSC, NSK=NSC,
+                PAIR_PREC=PAIR_PREC if PREC != "ieee" else PREC, PREFIX_PREC="tf32x3" if PREC != "ieee" else PREC,
+                **gate, **where, **launch_options(LAUNCH, "gate_chunk", BK, BV))
+        else:
+            exact = EXACT_PAIRS if EXACT_PAIRS is not None else x.q.dtype == torch.float32
+            s_yb = new_empty(NT, HV, C // 16, K, **f32)  # block sums of the kd terms
+            s_B = new_empty(NT, HV, C // 16, C // 16, K, **f32)  # pair sums per block pair
+            kda_bwd_gate_kernel[(NT * NSK, HV)](
+                x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.ga, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam, s_yb,
+                s_B, dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=BS, NSK=NSK, SAFE=opts.safe_gate,
+                EXACT=exact, DIAG_PREC=PREC if exact else "tf32x3", **gate, **where,
+                **launch_options(LAUNCH, "gate", BK, BV))
     elif x.dt_bias is not None or x.A_log is not None:  # no tokens: zero parameter gradients
         dA_part = torch.zeros(1, HV, 1, **f32) if x.A_log is not None else None
         dbias_part = torch.zeros(1, HV, K, **f32) if x.dt_bias is not None else None

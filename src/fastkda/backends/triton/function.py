@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...options import KDAInputs, KDAOptions
-from .bwd_chunk import bwd_chunk, bwd_qk
+from .bwd_chunk import bwd_chunk, bwd_qk, whole_backward
 from .bwd_scan import bwd_scan
 from .common import contiguous, dot_config
 from .prepare import Prepared, fwd_prepare
@@ -29,11 +29,12 @@ def contiguous_inputs(x: KDAInputs) -> KDAInputs:
 
 def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: bool = False):
     """Stage 1 and the scan on contiguous inputs: (stage-1 output, o, final_state, h, v'); see
-    ``fwd_scan`` for ``outputs`` and ``keep``. With ``keep`` (what the backward reads), stage 1
-    takes its block path, whose scratches the backward kernels read; otherwise bounded gates take
-    the whole-chunk path (``fwd_prepare``)."""
+    ``fwd_scan`` for ``outputs`` and ``keep``. Bounded gates take the whole-chunk path of stage 1
+    (``fwd_prepare``), unless the backward reads it (``keep``) and needs the block path's scratches
+    (``bwd_chunk.whole_backward``)."""
+    whole = opts.safe_gate and (not keep or whole_backward(opts, x.q.dtype))
     p = fwd_prepare(opts, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, x.cu_seqlens_cpu,
-                    scratch=keep)
+                    whole=whole)
     o, ht, h, vn = fwd_scan(opts, p, x.initial_state, x.cu_seqlens, x.v.dtype, *dot_config(x.q.dtype),
                             outputs=outputs, keep=keep)
     return p, o, ht, h, vn

@@ -234,14 +234,13 @@ def _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, J, C: tl.constexp
 
 
 @triton.jit
-def _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict,
-           S: tl.constexpr, PREC: tl.constexpr):
-    """Add one level of a chunk's Aqk (b_x = q) or Akk (b_x = k, ``strict`` = 1: below the diagonal
-    only) for one feature slice (docs/math.md section 3): a [C, C] product whose entries outside
-    the level are discarded. S = 16: the diagonal blocks, anchored at their middle token (factors
-    up to 8 gates, |exponent| <= 58 for bounded gates). S = 32, 64: every S-row segment's second
-    half against its first, anchored at the first half's last token: exponents <= 0 on the entries
-    kept, clamped at 0 elsewhere (finite, discarded)."""
+def _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict, S: tl.constexpr):
+    """Level S of a chunk's pairs (docs/math.md section 3): (mask [C, C] of its pairs i >= j + strict,
+    row factors e^(G - G_a), column factors e^(G_a - G) [C, BS]) with one anchor a per row and
+    column. S = 16: the diagonal blocks, anchored at their middle token (factors up to 8 gates,
+    |exponent| <= 58 for bounded gates). S = 32, 64: every S-row segment's second half against its
+    first, anchored at the first half's last token: exponents <= 0 on the pairs kept, clamped at 0
+    elsewhere (finite, discarded)."""
     i = o_c[:, None]
     j = o_c[None, :]
     m = (i // S) == (j // S)
@@ -255,6 +254,15 @@ def _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl
         b_r = tl.exp2(tl.minimum(b_G - b_a, 0.0))
         b_c = tl.exp2(tl.minimum(b_a - b_G, 0.0))
         m = m & (i % S >= S // 2) & (j % S < S // 2)
+    return m, b_r, b_c
+
+
+@triton.jit
+def _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict,
+           S: tl.constexpr, PREC: tl.constexpr):
+    """Add level S of a chunk's Aqk (b_x = q) or Akk (b_x = k, ``strict`` = 1: below the diagonal
+    only) for one feature slice: a [C, C] product whose entries outside the level are discarded."""
+    m, b_r, b_c = _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, strict, S)
     return b_A + tl.where(m, tl.dot(b_x * b_r, tl.trans(b_k * b_c), input_precision=PREC), 0.0)
 
 
@@ -481,13 +489,13 @@ class Prepared(NamedTuple):
     NT_total: int
 
 
-def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, scratch=True) -> Prepared:
-    """Launch stage 1. With ``scratch=False`` (nothing but the scan reads the result) bounded gates
-    take the whole-chunk path: ``gc`` then holds cumulative gates from the chunk start and ``ga`` is
-    None. The backward reads the block path's scratches, so it asks for ``scratch``."""
+def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=False) -> Prepared:
+    """Launch stage 1. ``whole`` (bounded gates only) takes the whole-chunk path: ``gc`` then holds
+    cumulative gates from the chunk start and ``ga`` is None (the backward's kernels follow)."""
     s, C = opts.shape, opts.chunk_size
     B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
-    whole = opts.safe_gate and not scratch
+    if whole and not opts.safe_gate:
+        raise ValueError("the whole-chunk path needs bounded gates (safe_gate=True)")
     if cu_seqlens is not None:
         chunk_indices, chunk_offsets, NT_total = chunk_tables(cu_host, C, q.device)
     else:
