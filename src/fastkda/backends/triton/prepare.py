@@ -56,6 +56,7 @@ from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tabl
 # B1 T8192 H64 on the H200; 8 warps or 16-, 32-column steps were slower)
 LAUNCH = {"gates": (4, None), "intra": (2, None), "chunk": (4, None), "inverse": (2, None), "wu": (8, None)}
 SLICE = 32  # feature columns per tile
+DIAG_SLICE = 8  # feature columns per step of the token-parallel diagonal blocks (unbounded gates)
 CHUNK_SLICE = 64  # feature columns per step of the whole-chunk intra kernel
 WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_launch.py --set)
 
@@ -168,7 +169,7 @@ def _beta(beta, bos, t0, T_seq, i_hv, o_i, HV: tl.constexpr, SIGMOID: tl.constex
 @triton.jit
 def _diag(q, k, gc, ga, rs, qg, kd, bos, t0, T_seq, i_h, i_hv, scale, o_i, R, NC: tl.constexpr, C: tl.constexpr,
           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-          SAFE: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
+          SAFE: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, DS: tl.constexpr):
     """Block R of the chunk: stores q e^G and k e^(G_last - G); returns its diagonal Aqk (j <= i)
     and Akk (j < i) blocks, unscaled."""
     tr = t0 + 16 * R
@@ -194,15 +195,19 @@ def _diag(q, k, gc, ga, rs, qg, kd, bos, t0, T_seq, i_h, i_hv, scale, o_i, R, NC
             b_Aqk += tl.dot(b_q * b_up, b_col, input_precision=PREC)
             b_Akk += tl.dot(b_k * b_up, b_col, input_precision=PREC)
         else:
-            # unbounded gates: every entry takes exp2(c_i - c_j) directly, one column j at a time
-            b_g = tl.load(ga + (bos + tr + o_i).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :],
-                          mask=((tr + o_i) < T_seq)[:, None] & (o_d < K)[None, :], other=0.0)
-            for j in range(16):
-                b_kj = row_of(b_k, o_i, j)
-                # sum of the gates of tokens j+1..i, summed directly
-                b_e = tl.exp2(tl.where(o_i[:, None] >= j, tl.cumsum(tl.where(o_i[:, None] > j, b_g, 0.0), 0), float("-inf")))
-                b_Aqk += tl.where(o_i[None, :] == j, tl.sum(b_q * b_kj[None, :] * b_e, 1)[:, None], 0.0)
-                b_Akk += tl.where(o_i[None, :] == j, tl.sum(b_k * b_kj[None, :] * b_e, 1)[:, None], 0.0)
+            # unbounded gates: entry (i, j) takes exp2 of the gates of tokens j+1..i summed directly,
+            # every (i, j) at once, DS feature columns at a time: [16 (i), 16 (j), DS]
+            m_after = (o_i[:, None] > o_i[None, :])[:, :, None]  # token t (axis 0) after j (axis 1)
+            m_lower = (o_i[:, None] >= o_i[None, :])[:, :, None]
+            for s2 in range(0, BS, DS):
+                o_e = s + s2 + tl.arange(0, DS)
+                b_qe = _tile(q, bos, tr, T_seq, i_h, H, K, o_i, o_e) * b_rq[:, None]
+                b_ke = _tile(k, bos, tr, T_seq, i_h, H, K, o_i, o_e) * b_rk[:, None]
+                b_ge = _tile(ga, bos, tr, T_seq, i_hv, HV, K, o_i, o_e)
+                b_E = tl.cumsum(tl.where(m_after, b_ge[:, None, :], 0.0), 0)  # sum over j < t <= i
+                b_e = tl.exp2(tl.where(m_lower, b_E, float("-inf")))
+                b_Aqk += tl.sum(b_qe[:, None, :] * b_ke[None, :, :] * b_e, 2)
+                b_Akk += tl.sum(b_ke[:, None, :] * b_ke[None, :, :] * b_e, 2)
     b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk, 0.0)
     b_Akk = tl.where(o_i[:, None] > o_i[None, :], b_Akk, 0.0)
     return b_Aqk, b_Akk
@@ -368,7 +373,7 @@ def kda_fwd_gates_kernel(
 def kda_fwd_intra_kernel(
     q, k, gc, ga, rs, qg, kd, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    SAFE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    SAFE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DS: tl.constexpr,
 ):
     """Row block r of a chunk: Aqk (stored times scale) and Akk (to the scratch ls, which the
     backward reads too) against blocks j <= r; q e^G and k e^(G_last - G) of its rows."""
@@ -380,7 +385,7 @@ def kda_fwd_intra_kernel(
     ls += i_p * C * C
     rs += i_p * 2 * C
     b_Aqk, b_Akk = _diag(q, k, gc, ga, rs, qg, kd, bos, t0, T_seq, i_h, i_hv, scale, o_i, r, NC, C, H, HV, K, BK, BS, SAFE,
-                         L2NORM, PREC)
+                         L2NORM, PREC, DS)
     _put(Aqk + 16 * r, b_Aqk * scale, bos, tr, T_seq, i_hv, HV, C, o_i, o_i)
     _put_blk(ls, b_Akk, 16 * r, 16 * r, C, o_i)
     for j in range(r):
@@ -533,7 +538,8 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, who
         else:
             kda_fwd_intra_kernel[(NT_total * NC, HV)](
                 q, k, gc, ga, rs, qg, kd, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate,
-                L2NORM=opts.qk_l2norm, PREC=PREC, **where, **launch_options(LAUNCH, "intra", BK, BK))
+                L2NORM=opts.qk_l2norm, PREC=PREC, DS=min(DIAG_SLICE, BS), **where,
+                **launch_options(LAUNCH, "intra", BK, BK))
         kda_fwd_inverse_kernel[(NT_total, HV)](
             beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, GL=not whole, **beta_kw, **where,
             **launch_options(LAUNCH, "inverse", BK, BK))
