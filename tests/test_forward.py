@@ -153,3 +153,30 @@ def test_whole_chunk_path(axis, rng, monkeypatch):
     if case.final_state:
         check("final_state (whole-chunk path)", s, s_ref, tol)
         check("final_state (block path)", s_b.detach(), s_ref, tol)
+
+
+@pytest.mark.parametrize("axis", ["dense", "varlen", "gva", "k_ne_v", "state_v_first", "chunk32", "bf16", "no_states",
+                                  "t_short", "chunk32_varlen_safe"])
+def test_split_output(axis, rng, monkeypatch):
+    """The Triton scan handing o to the chunk-parallel output kernel (long sequences) gives the
+    reference's output and final state."""
+    from fastkda.backends.triton import scan
+
+    monkeypatch.setattr(scan, "SPLIT_MIN_CHUNKS", 1)
+    launches = []
+    kernel = scan.kda_fwd_output_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(scan, "kda_fwd_output_kernel", Spy())
+    case = grow(AXES[axis], GPU)
+    x, o, s, _ = run_forward("triton", case, rng)
+    assert launches, "the output kernel did not run"
+    o_ref, s_ref = reference(x)
+    tol = tol_for(case.dtype, "triton")
+    check("o", o, o_ref, tol)
+    if case.final_state:
+        check("final_state", s, s_ref, tol)

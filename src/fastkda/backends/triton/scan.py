@@ -16,9 +16,11 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import cdiv, mma, pow2, sequence_location
+from .common import cdiv, chunk_program, mma, pow2, sequence_location
 
 # launch configuration (module-level so that benchmarks can compare variants)
+SPLIT_MIN_CHUNKS = None  # chunks per sequence from which o leaves the scan for a chunk-parallel kernel (None: never)
+OUT_BV = 64
 SCAN_BV = 64
 SCAN_WARPS = 4
 SCAN_STAGES = 2  # for K <= 128; wider keys run unpipelined on 8 warps (shared memory)
@@ -98,6 +100,39 @@ def kda_fwd_scan_kernel(
         tl.store(p_ht, b_S, mask=m_h)
 
 
+@triton.jit(do_not_specialize=["T"])
+def kda_fwd_output_kernel(
+    qg, Aqk, h, vn, o, cu_seqlens, chunk_indices, T,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NV: tl.constexpr, IS_VARLEN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
+):
+    """o = qg S + Aqk v' of one chunk and BV value columns, chunk-parallel, from the state entering
+    the chunk (h [chunks, HV, K, V], written by the scan) and v'."""
+    i_v, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NV)
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t = (t0 + o_c) < T_seq
+    r_t = (bos + t0 + o_c).to(tl.int64)[:, None] * HV + i_hv
+    m_tv = m_t[:, None] & (o_v < V)[None, :]
+    b_qg = mma(tl.load(qg + r_t * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0), DT, EMU)
+    b_A = mma(tl.load(Aqk + r_t * C + o_c[None, :], mask=m_t[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0),
+              DT, EMU)
+    b_h = mma(tl.load(h + i_p * K * V + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & (o_v < V)[None, :],
+                      other=0.0), DT, EMU)
+    b_vn = mma(tl.load(vn + r_t * V + o_v[None, :], mask=m_tv, other=0.0), DT, EMU)
+    b_o = tl.dot(b_qg, b_h, input_precision=PREC) + tl.dot(b_A, b_vn, input_precision=PREC)
+    tl.store(o + r_t * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+
+
+def _split(opts, NT_total: int) -> bool:
+    """Whether o leaves the scan: long sequences (chunks per sequence, on average), where the
+    scan's chunk-after-chunk loop dominates."""
+    if SPLIT_MIN_CHUNKS is None or opts.return_intermediate_states or opts.shape.N == 0:
+        return False
+    return NT_total >= SPLIT_MIN_CHUNKS * opts.shape.N
+
+
 def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep=False):
     """Launch stage 2 on the output ``p`` of stage 1. Returns (o, final_state, h, v'), each None
     unless asked for: ``outputs`` gives o and the final state (if the options ask for it);
@@ -119,12 +154,24 @@ def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep
         h = new_empty(*lead, HV, *opts.state_shape, dtype=torch.float32, device=dev)
     BK = pow2(K)
     BV = min(pow2(V), SCAN_BV)
+    split = outputs and not keep and _split(opts, p.NT_total)
+    o_scan = o
+    if split:  # the scan writes h and v' (input dtype), the output kernel o
+        h = new_empty(p.NT_total, HV, K, V, dtype=p.u.dtype, device=dev)
+        vn = new_empty(B, T, HV, V, dtype=p.u.dtype, device=dev)
+        o_scan = None
     if N * HV > 0:
         kda_fwd_scan_kernel[(cdiv(V, BV), N * HV)](
-            p.w, p.u, p.qg, p.kd, p.Aqk, p.gl, h0, ht, h, o, vn, cu_seqlens, p.chunk_offsets, T,
+            p.w, p.u, p.qg, p.kd, p.Aqk, p.gl, h0, ht, h, o_scan, vn, cu_seqlens, p.chunk_offsets, T,
             HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
-            STORE_H=h is not None, STORE_O=o is not None, STORE_VN=vn is not None, V_FIRST=opts.state_v_first,
-            H_V_FIRST=opts.state_v_first and not keep, IS_VARLEN=cu_seqlens is not None, DT=DT, PREC=PREC,
+            STORE_H=h is not None, STORE_O=o_scan is not None, STORE_VN=vn is not None, V_FIRST=opts.state_v_first,
+            H_V_FIRST=opts.state_v_first and not (keep or split), IS_VARLEN=cu_seqlens is not None, DT=DT, PREC=PREC,
             EMU=EMU, num_warps=SCAN_WARPS if BK <= 128 else 8, num_stages=SCAN_STAGES if BK <= 128 else 1,
         )
+    if split and p.NT_total > 0:
+        BVO = min(pow2(V), OUT_BV)
+        kda_fwd_output_kernel[(p.NT_total * cdiv(V, BVO), HV)](
+            p.qg, p.Aqk, h, vn, o, cu_seqlens, p.chunk_indices, T, HV=HV, K=K, V=V, C=C, BK=BK, BV=BVO,
+            NV=cdiv(V, BVO), IS_VARLEN=cu_seqlens is not None, DT=DT, PREC=PREC, EMU=EMU, num_warps=4)
+        h = vn = None
     return o, ht, h, vn
