@@ -88,8 +88,9 @@ def test_backward_widest_heads(backend, rng):
                                               ("safe_lb-5", torch.bfloat16, True), ("safe_lb-5", torch.float32, False)])
 def test_triton_pair_sums(axis, dtype, exact, rng, monkeypatch):
     """The two ways the gate-gradient kernel sums a block's pair terms (bwd_chunk.EXACT_PAIRS): the
-    cheaper one (16-bit inputs by default) at extreme gates, the exact one for 16-bit inputs too,
-    and the cheaper one for float32 inputs within the 16-bit budget."""
+    cheaper one (16-bit inputs by default; bfloat16 with a bounded gate: the whole-chunk kernel's)
+    at extreme gates, the exact one for 16-bit inputs too, and the cheaper one for float32 inputs
+    within the 16-bit budget."""
     from fastkda.backends.triton import bwd_chunk
 
     monkeypatch.setattr(bwd_chunk, "EXACT_PAIRS", exact)
@@ -110,13 +111,13 @@ WHOLE_BWD_EXTRA = {  # feature widths that are not powers of two, the widest key
 @pytest.mark.parametrize("axis", [*BWD_AXES, *WHOLE_BWD_EXTRA])
 def test_whole_chunk_backward(axis, rng, monkeypatch):
     """Bounded gates on every axis: the backward after the whole-chunk stage 1, its gate kernel
-    summing every pair of a chunk from row and column sums (docs/math.md section 5). 16-bit inputs
-    take it by default and keep their budget; float32 inputs are forced through it and held to
-    float16's, the accuracy class of those sums (float32 takes the exact block path by default)."""
+    summing every pair of a chunk from row and column sums (docs/math.md section 5). bfloat16
+    inputs take it by default and keep their budget; float16 and float32 inputs (the block path by
+    default) are forced through it and held to float16's, the accuracy class of those sums."""
     from fastkda.backends.triton import bwd_chunk
 
     case = bounded(grow(BWD_AXES[axis], GPU) if axis in BWD_AXES else WHOLE_BWD_EXTRA[axis])
-    if case.dtype == torch.float32:
+    if case.dtype != torch.bfloat16:
         monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", True)
     launches = {"whole": 0, "block": 0}
 

@@ -64,6 +64,23 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_
     return o, q.new_empty(_state_shape(q, v, initial_state, cu_seqlens, state_v_first), dtype=sdt)
 
 
+def _chunk_backend(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                   state_v_first, cu_seqlens, A_log, dt_bias, chunk_size):
+    """(backend, options, inputs) the registry picks for this chunk_kda call."""
+    from .backends import registry
+    from .options import chunk_options
+
+    opts, inputs = chunk_options(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=False, return_intermediate_states=False,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, cp_context=None, A_log=A_log,
+        dt_bias=dt_bias, chunk_size=chunk_size)
+    return registry.select("chunk_kda", opts, inputs)[0], opts, inputs
+
+
 @torch.library.custom_op("fastkda::chunk_kda_backward", mutates_args=())
 def chunk_kda_backward_op(
     do: Tensor, dfinal: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
@@ -84,10 +101,15 @@ def chunk_kda_backward_op(
                           safe_gate, lower_bound, state_v_first, cu_seqlens, a["A_log"], a["dt_bias"], chunk_size)
         return (o, final) if with_final else (o,)
 
-    # custom ops run below the autograd dispatch key; torch.func's own transform still records
-    _, vjp = torch.func.vjp(forward, *(named[n] for n in diff))
-    got = vjp((do, dfinal) if with_final else (do,))
-    got = dict(zip(diff, got))
+    backend, opts, inputs = _chunk_backend(q, k, v, g, beta, scale, initial_state, with_final, use_qk_l2norm_in_kernel,
+                                           use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
+                                           lower_bound, state_v_first, cu_seqlens, A_log, dt_bias, chunk_size)
+    if hasattr(backend, "chunk_kda_vjp"):  # kernels with their own backward: called directly
+        got = backend.chunk_kda_vjp(opts, inputs, do, dfinal if with_final else None)
+    else:
+        # custom ops run below the autograd dispatch key; torch.func's own transform still records
+        _, vjp = torch.func.vjp(forward, *(named[n] for n in diff))
+        got = dict(zip(diff, vjp((do, dfinal) if with_final else (do,))))
     res = []
     for n in _GRAD_NAMES:
         t = named[n]

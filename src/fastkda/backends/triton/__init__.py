@@ -16,7 +16,7 @@ import torch
 from ... import platform
 from ...options import KDAInputs, KDAOptions
 from ..registry import Backend, forced_backend
-from .function import chunk_kda_autograd, contiguous_inputs, forward_stages
+from .function import chunk_kda_autograd, chunk_kda_vjp, contiguous_inputs, forward_stages
 from .recurrent import recurrent_forward
 from . import gate as gate_kernels
 
@@ -75,6 +75,10 @@ class TritonBackend(Backend):
         if _wants_grad(inputs):
             return chunk_kda_autograd(opts, inputs)
         return chunk_forward(opts, inputs)
+
+    def chunk_kda_vjp(self, opts, inputs, do, dht):
+        """Gradients of every input without autograd (the compiled backward, fastkda.library)."""
+        return chunk_kda_vjp(opts, inputs, do, dht)
 
     def fused_recurrent_kda(self, opts, inputs):
         return recurrent_forward(opts, inputs)

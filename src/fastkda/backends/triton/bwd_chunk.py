@@ -42,15 +42,17 @@ GATE_CHUNK_SLICE = 32  # feature columns per program of kda_bwd_gate_chunk_kerne
 # diagonal blocks' products run as tf32x3 (float32 accuracy), since one tf32 rounding of a pair
 # term would leave a thousandfold larger residue.
 EXACT_PAIRS = None
-# Bounded gates (safe_gate) whose pair terms are summed from row and column sums (16-bit inputs,
-# EXACT_PAIRS None or False) take the whole-chunk path end to end: stage 1 (also when the backward
-# recomputes or keeps it) and kda_bwd_gate_chunk_kernel, with every pair over the chunk summed that
-# way. True/False force it on or off for bounded gates; None: as EXACT_PAIRS decides.
+# Bounded gates (safe_gate) with bfloat16 inputs take the whole-chunk path end to end: stage 1
+# (also when the backward recomputes or keeps it) and kda_bwd_gate_chunk_kernel, which sums every
+# pair of a chunk from row and column sums. True/False force it on or off for bounded gates of any
+# dtype; None: bfloat16 only (EXACT_PAIRS=True keeps the block path).
 WHOLE_BACKWARD = None
-# Products of that kernel for 16-bit inputs (float32 inputs: ieee). tf32x3 keeps the row and
-# column sums of a pair's term equal to float32 accuracy, so that their cancellation in dg leaves
-# float32 rounding behind (docs/math.md section 5).
-PAIR_PREC = "tf32x3"
+# Products of that kernel per input dtype. In tf32 the row and the column form of a pair term round
+# apart and their cancellation in dg leaves tf32's residue, inside bfloat16's budget: at extreme
+# bounded gates dg's error went from 2.5e-3 (block path) to 6.7e-3 (H200, bf16, T=2048); tf32x3
+# kept 2.4e-3 but made the step slower than the block path (17.2 against 15.6 ms at B1 T8192 H64,
+# tf32: 13.5 ms). float16's budget (2e-3) needs tf32x3 (docs/math.md section 5).
+PAIR_PREC = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"}
 
 
 def whole_backward(opts, dtype: torch.dtype) -> bool:
@@ -59,7 +61,7 @@ def whole_backward(opts, dtype: torch.dtype) -> bool:
         return False
     if WHOLE_BACKWARD is not None:
         return WHOLE_BACKWARD
-    return not (EXACT_PAIRS if EXACT_PAIRS is not None else dtype == torch.float32)
+    return dtype == torch.bfloat16 and not EXACT_PAIRS
 
 
 @triton.jit
@@ -517,7 +519,7 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
             kda_bwd_gate_chunk_kernel[(NT * NSC, HV)](
                 x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
                 dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=BSC, NSK=NSC,
-                PAIR_PREC=PAIR_PREC if PREC != "ieee" else PREC, PREFIX_PREC="tf32x3" if PREC != "ieee" else PREC,
+                PAIR_PREC=PAIR_PREC[x.q.dtype], PREFIX_PREC="tf32x3" if PREC != "ieee" else PREC,
                 **gate, **where, **launch_options(LAUNCH, "gate_chunk", BK, BV))
         else:
             exact = EXACT_PAIRS if EXACT_PAIRS is not None else x.q.dtype == torch.float32

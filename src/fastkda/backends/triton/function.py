@@ -41,46 +41,80 @@ def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: b
 
 
 class ChunkKDAFunction(torch.autograd.Function):
+    """Forward and backward of the Triton chunk_kda. The context is set up apart from the forward
+    (``setup_context``), as torch.func transforms require (the compiled backward runs through
+    ``torch.func.vjp``); what ``disable_recompute`` keeps leaves the forward as extra outputs,
+    non-differentiable, and lives in the saved tensors only."""
+
     @staticmethod
-    def forward(ctx, opts: KDAOptions, x: KDAInputs, q, k, v, g, beta, A_log, dt_bias, initial_state):
+    def forward(opts: KDAOptions, x: KDAInputs, q, k, v, g, beta, A_log, dt_bias, initial_state):
         # the tensors come again as arguments so that autograd sees them; x carries the rest
         x = contiguous_inputs(x._replace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
                                          initial_state=initial_state))
         p, o, ht, h, vn = forward_stages(opts, x, keep=opts.disable_recompute)
-        kept = (*p[:11], h, vn) if opts.disable_recompute else ()
-        ctx.save_for_backward(x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.initial_state, x.cu_seqlens, *kept)
+        kept = (*p[:13], h, vn) if opts.disable_recompute else ()  # stage 1, its chunk tables, the scan's h, v'
+        return (o, ht, *kept)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        opts, x, *tensors = inputs
+        kept = output[2:]
+        ctx.mark_non_differentiable(*(t for t in kept if t is not None))
+        ctx.save_for_backward(*tensors, x.cu_seqlens, *kept)
         # the tensors live in saved_tensors only (a tensor of the graph held on ctx would be a cycle)
         ctx.x = x._replace(q=None, k=None, v=None, g=None, beta=None, A_log=None, dt_bias=None, initial_state=None,
                            cu_seqlens=None)
-        ctx.opts, ctx.tables = opts, p[11:]
-        return o, ht
+        ctx.opts = opts
 
     @staticmethod
-    def backward(ctx, do, dht):
+    def backward(ctx, do, dht, *_):
         opts = ctx.opts
         q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, *kept = ctx.saved_tensors
-        x = ctx.x._replace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
-                           cu_seqlens=cu_seqlens)
-        DT, PREC, EMU = dot_config(q.dtype)
+        x = contiguous_inputs(ctx.x._replace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+                                             initial_state=h0, cu_seqlens=cu_seqlens))
+        need_dh0 = h0 is not None and ctx.needs_input_grad[9]
         if kept:
-            p = Prepared(*kept[:11], *ctx.tables)
-            h, vn = kept[11:]
-        else:
-            p, _, _, h, vn = forward_stages(opts, x, outputs=False, keep=True)
-        do = contiguous(do)
-        dht = contiguous(dht) if opts.output_final_state else None
-        dhs, dvn, dh0 = bwd_scan(opts, p.qg, p.w, p.kd, p.Aqk, p.gl, do, dht, cu_seqlens, p.chunk_offsets, p.NT_total,
-                                 h0 is not None and ctx.needs_input_grad[9], DT, PREC, EMU)
-        p = p._replace(qg=None, kd=None, Aqk=None)  # read by the scans only: freed before the largest stage
-        dqh, dkh, dv, dg, dbeta, dA_log, ddt_bias = bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens)
-        del p, h, vn, dhs, dvn, kept
-        dq, dk = bwd_qk(q, dqh, opts.qk_l2norm), bwd_qk(k, dkh, opts.qk_l2norm)
-        if dh0 is not None:
-            dh0 = dh0.to(h0.dtype)
-        return None, None, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
+            p = Prepared(*kept[:13], NT_total=kept[5].shape[0])  # gl: [chunks, HV, K]
+            return gradients(opts, x, p, *kept[13:], do, dht, need_dh0)
+        # no local name holds the recomputation: gradients() frees qg, kd, Aqk before its largest stage
+        return gradients(opts, x, *_recompute(opts, x), do, dht, need_dh0)
+
+
+def _recompute(opts: KDAOptions, x: KDAInputs):
+    """(stage 1's output, h, v') for the backward."""
+    p, _, _, h, vn = forward_stages(opts, x, outputs=False, keep=True)
+    return p, h, vn
+
+
+def gradients(opts: KDAOptions, x: KDAInputs, p: Prepared, h, vn, do, dht, need_dh0: bool):
+    """Backward stages 1 and 2 from stage 1's output ``p`` and the scan's ``h``, ``v'`` (contiguous
+    inputs ``x``): (None, None, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0), as the autograd
+    Function returns them."""
+    q, k, h0, cu_seqlens = x.q, x.k, x.initial_state, x.cu_seqlens
+    DT, PREC, EMU = dot_config(q.dtype)
+    do = contiguous(do)
+    dht = contiguous(dht) if opts.output_final_state and dht is not None else None
+    dhs, dvn, dh0 = bwd_scan(opts, p.qg, p.w, p.kd, p.Aqk, p.gl, do, dht, cu_seqlens, p.chunk_offsets, p.NT_total,
+                             need_dh0, DT, PREC, EMU)
+    p = p._replace(qg=None, kd=None, Aqk=None)  # read by the scans only: freed before the largest stage
+    dqh, dkh, dv, dg, dbeta, dA_log, ddt_bias = bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens)
+    del p, h, vn, dhs, dvn
+    dq, dk = bwd_qk(q, dqh, opts.qk_l2norm), bwd_qk(k, dkh, opts.qk_l2norm)
+    if dh0 is not None:
+        dh0 = dh0.to(h0.dtype)
+    return None, None, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
+
+
+def chunk_kda_vjp(opts: KDAOptions, x: KDAInputs, do, dht) -> dict:
+    """The gradients of every input from ``do`` and ``dht`` (None: no final state), recomputing the
+    forward, without autograd: what the compiled backward (``fastkda.library``) calls, since
+    ``torch.func`` hands an autograd Function's backward wrapped tensors, which kernels cannot take."""
+    x = contiguous_inputs(x)
+    g = gradients(opts, x, *_recompute(opts, x), do, dht, x.initial_state is not None)[2:]
+    return dict(zip(("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"), g))
 
 
 def chunk_kda_autograd(opts: KDAOptions, x: KDAInputs):
     """(o, final_state, None) with gradients through the Triton kernels."""
-    o, ht = ChunkKDAFunction.apply(opts, x, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.initial_state)
+    o, ht = ChunkKDAFunction.apply(opts, x, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.initial_state)[:2]
     return o, ht, None
