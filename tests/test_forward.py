@@ -163,6 +163,7 @@ def test_split_output(axis, rng, monkeypatch):
     from fastkda.backends.triton import scan
 
     monkeypatch.setattr(scan, "SPLIT_MIN_CHUNKS", 1)
+    monkeypatch.setattr(scan, "SPLIT_MAX_PROGRAMS", 1 << 30)
     launches = []
     kernel = scan.kda_fwd_output_kernel
 

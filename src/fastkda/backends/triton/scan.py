@@ -19,7 +19,12 @@ from ...testing import new_empty
 from .common import cdiv, chunk_program, mma, pow2, sequence_location
 
 # launch configuration (module-level so that benchmarks can compare variants)
-SPLIT_MIN_CHUNKS = None  # chunks per sequence from which o leaves the scan for a chunk-parallel kernel (None: never)
+# o leaves the scan for a chunk-parallel kernel (kda_fwd_output_kernel) when the scan is long and
+# narrow: at least SPLIT_MIN_CHUNKS chunks per sequence on average and at most SPLIT_MAX_PROGRAMS
+# scan programs, fewer than half the SMs of an H200 (B1 T32768 H16: 32 programs, 3.22 -> 2.82 ms;
+# B1 T8192 H64, 128 programs: 2.09 -> 2.17 ms, not split). None: never.
+SPLIT_MIN_CHUNKS = 64
+SPLIT_MAX_PROGRAMS = 64
 OUT_BV = 64
 SCAN_BV = 64
 SCAN_WARPS = 4
@@ -128,9 +133,11 @@ def kda_fwd_output_kernel(
 def _split(opts, NT_total: int) -> bool:
     """Whether o leaves the scan: long sequences (chunks per sequence, on average), where the
     scan's chunk-after-chunk loop dominates."""
-    if SPLIT_MIN_CHUNKS is None or opts.return_intermediate_states or opts.shape.N == 0:
+    s = opts.shape
+    if SPLIT_MIN_CHUNKS is None or opts.return_intermediate_states or s.N == 0:
         return False
-    return NT_total >= SPLIT_MIN_CHUNKS * opts.shape.N
+    programs = cdiv(s.V, min(pow2(s.V), SCAN_BV)) * s.N * s.HV
+    return NT_total >= SPLIT_MIN_CHUNKS * s.N and programs <= SPLIT_MAX_PROGRAMS
 
 
 def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep=False):
