@@ -49,9 +49,18 @@ def test_backward_axis(backend, axis, rng):
     check_grads(got, want, x, tol_for(case.dtype, backend))
 
 
+RECOMPUTE_CASES = {  # float32 (block path), bfloat16 with a bounded gate (whole-chunk path), varlen
+    "f32": Case(T=90, gate="safe", l2norm=True, beta_sigmoid=True),
+    "bf16_whole": Case(T=90, gate="safe", l2norm=True, beta_sigmoid=True, dtype=torch.bfloat16),
+    "bf16_whole_varlen": Case(seqlens=(1, 70, 0, 33), HV=4, gate="safe", dtype=torch.bfloat16),
+    "softplus_varlen": Case(seqlens=(17, 0, 66), gate="softplus", l2norm=True),
+}
+
+
 @pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
-def test_disable_recompute_same_gradients(backend, rng):
-    case = grow(Case(T=90, gate="safe", l2norm=True, beta_sigmoid=True), GPU)
+@pytest.mark.parametrize("name", list(RECOMPUTE_CASES))
+def test_disable_recompute_same_gradients(backend, name, rng):
+    case = grow(RECOMPUTE_CASES[name], GPU)
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     _, g1, _, _ = backend_grads(backend, case, torch.Generator().manual_seed(seed))
     _, g2, _, _ = backend_grads(backend, case, torch.Generator().manual_seed(seed), disable_recompute=True)
@@ -135,6 +144,54 @@ def test_whole_chunk_backward(axis, rng, monkeypatch):
     if any(t > 0 for t in (case.seqlens or (case.T,))):
         assert launches == {"whole": 1, "block": 0}, launches
     check_grads(got, want, x, tol_for(torch.float16 if case.dtype == torch.float32 else case.dtype, "triton"))
+
+
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("dtype,exact,whole", [(torch.bfloat16, None, True), (torch.bfloat16, True, False),
+                                               (torch.float16, None, False), (torch.float32, None, False)])
+def test_whole_chunk_backward_choice(dtype, exact, whole, rng, monkeypatch):
+    """Which gate kernel a bounded gate's backward takes by default: the whole-chunk one for
+    bfloat16 only (EXACT_PAIRS=True keeps the block path); the gradients hold either way."""
+    from fastkda.backends.triton import bwd_chunk
+
+    monkeypatch.setattr(bwd_chunk, "EXACT_PAIRS", exact)
+    launches = []
+    for name in ("kda_bwd_gate_chunk_kernel", "kda_bwd_gate_kernel"):
+        kernel = getattr(bwd_chunk, name)
+
+        class Spy:
+            def __getitem__(self, grid, name=name, kernel=kernel):
+                launches.append(name)
+                return kernel[grid]
+
+        monkeypatch.setattr(bwd_chunk, name, Spy())
+    case = grow(Case(T=70, gate="safe", dtype=dtype, l2norm=True), GPU)
+    x, got, want = grads("triton", case, rng)
+    assert launches == ["kda_bwd_gate_chunk_kernel" if whole else "kda_bwd_gate_kernel"], launches
+    check_grads(got, want, x, tol_for(dtype, "triton"))
+
+
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("case", [Case(T=70, gate="safe", dtype=torch.bfloat16, l2norm=True, beta_sigmoid=True),
+                                  Case(seqlens=(5, 0, 66), HV=4, gate="softplus", l2norm=True)], ids=["bf16", "varlen"])
+def test_triton_vjp_matches_autograd(case, rng):
+    """The compiled backward's entry (fastkda.library -> the backend's chunk_kda_vjp, no autograd)
+    gives the autograd Function's gradients, initial and final state included."""
+    from fastkda.library import chunk_kda_backward_op
+
+    case = grow(case, GPU)
+    x, got, do, ds = backend_grads("triton", case, rng)
+    names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+    with use_backend("triton"):
+        res = chunk_kda_backward_op(
+            do, ds if ds is not None else do.new_empty(0), x["q"], x["k"], x["v"], x["g"], x["beta"],
+            x.get("scale") or case.K ** -0.5, x.get("initial_state"), x["output_final_state"], x.get("use_qk_l2norm_in_kernel", False), x.get("use_gate_in_kernel", False),
+            x.get("use_beta_sigmoid_in_kernel", False), x.get("allow_neg_eigval", False), x.get("safe_gate", False),
+            x.get("lower_bound"), x.get("state_v_first", False), x.get("cu_seqlens"), x.get("A_log"),
+            x.get("dt_bias"), case.chunk_size)
+    vjp = dict(zip(names, res))
+    for name in got:
+        check(f"d{name}", vjp[name], got[name], 1e-6)
 
 
 @pytest.mark.parametrize("backend", BACKWARD_BACKENDS)

@@ -124,8 +124,8 @@ WHOLE_EXTRA = {  # feature widths that are not powers of two, the widest keys; k
 @pytest.mark.parametrize("axis", [*AXES, *WHOLE_EXTRA])
 def test_whole_chunk_path(axis, rng, monkeypatch):
     """Bounded gates: the Triton forward's whole-chunk path (docs/math.md section 3) on every
-    axis, against the reference, and the block path (which the backward recomputes with, and
-    which disable_recompute keeps from the forward for float32 inputs) on the same inputs."""
+    axis, against the reference, and the block path (which the backward recomputes or keeps with
+    disable_recompute, except for bfloat16; forced here) on the same inputs."""
     from fastkda.backends.triton import bwd_chunk, prepare
 
     monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", False)  # disable_recompute below: the block path

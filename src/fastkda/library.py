@@ -1,8 +1,9 @@
 """``torch.library`` custom ops, so that ``torch.compile(fullgraph=True)`` sees the operators as
 opaque nodes with known output shapes. Each op's implementation is the eager public function.
 
-``fastkda::chunk_kda`` and its backward ``fastkda::chunk_kda_backward`` (which recomputes the
-forward with autograd through the backend's differentiable implementation), and
+``fastkda::chunk_kda`` and its backward ``fastkda::chunk_kda_backward`` (which calls the chosen
+backend's own ``chunk_kda_vjp`` where it has one, else recomputes the forward with autograd
+through the backend's differentiable implementation), and
 ``fastkda::fused_recurrent_kda`` (forward only; it may write the state pool in place). The public
 functions route here only while compiling; eager calls go straight to the backend registry.
 """

@@ -16,6 +16,10 @@ chunk, phase C per feature slice of 32 columns. With v' = u - w S and dv' from s
     phase C (gated products):       dq, dk and dG from Aqk, Akk, qg, kd, kg and the chunk decay;
                                     dg = reverse cumulative sum of dG, through the gate activation
 
+Phase C has two kernels: per 16-token block of the chunk, its pairs summed as what survives in
+each dg (kda_bwd_gate_kernel, any gate, any dtype); or, after the whole-chunk stage 1 (bounded
+gates, bfloat16), per chunk, every pair from row and column sums (kda_bwd_gate_chunk_kernel).
+
 dq and dk leave per value head (float32, before l2norm, in the buffers of dqg and dkd); ``bwd_qk``
 sums the heads of a group and applies the l2norm backward. Everything else leaves final. dA_log and dt_bias leave per-program
 partial sums (deterministic; summed by the caller).
@@ -40,7 +44,8 @@ GATE_CHUNK_SLICE = 32  # feature columns per program of kda_bwd_gate_chunk_kerne
 # pairs (float32 products: up to 2e-4 of dg at extreme gates on the CPU tier, within the 16-bit
 # budget, not float32's); None: exactly for float32 inputs only. Without the exact sum the
 # diagonal blocks' products run as tf32x3 (float32 accuracy), since one tf32 rounding of a pair
-# term would leave a thousandfold larger residue.
+# term would leave a thousandfold larger residue than float32's (the whole-chunk kernel accepts
+# tf32's for bfloat16, measured within its budget: PAIR_PREC below).
 EXACT_PAIRS = None
 # Bounded gates (safe_gate) with bfloat16 inputs take the whole-chunk path end to end: stage 1
 # (also when the backward recomputes or keeps it) and kda_bwd_gate_chunk_kernel, which sums every
@@ -222,10 +227,11 @@ def _dg_out(g, A_log, dt_bias, dg, b_dgr, lower_bound, bos, t0, T_seq, i_hv, HV:
 @triton.jit
 def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr,
                 K: tl.constexpr, o_c, o_d, S: tl.constexpr, PREC: tl.constexpr):
-    """Add level S of the pair terms (anchored as in the forward, prepare._anchored) to dq (rows of
-    dAqk), dk through the rows of dAkk (dkr) and dk through the columns of both (dkc). The [C, C]
-    gradients are loaded per level, the level's entries only (one of them in registers at a time)."""
-    m, b_r, b_c = _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, 0, S)
+    """Add level S of the pair terms i > j (anchored as in the forward, prepare._anchored) to dq (rows
+    of dAqk), dk through the rows of dAkk (dkr) and dk through the columns of both (dkc). The [C, C]
+    gradients are loaded per level, the level's entries only (one of them in registers at a time).
+    The diagonal of dAqk is left to the caller."""
+    m, b_r, b_c = _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, 1, S)
     b_kc = b_k * b_c
     b_M = tl.load(s_dA + o_cc, mask=m, other=0.0)
     b_dq += b_r * _mm(b_M, b_kc, PREC)
@@ -269,6 +275,10 @@ def kda_bwd_gate_chunk_kernel(
                                      o_c, o_d, 32, PAIR_PREC)
     b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K,
                                      o_c, o_d, 16, PAIR_PREC)
+    # the diagonal of Aqk (factor e^0 = 1) reaches dq and dk only: in dG its two terms cancel exactly
+    b_dAii = tl.load(s_dA + i_p * C * C + o_c * (C + 1))  # [C]
+    b_dii_q = b_dAii[:, None] * b_k
+    b_dii_k = b_dAii[:, None] * b_q
     # qg = scale q e^G, kd = k e^(G_last - G), kg = k e^G
     o_last = (bos + tl.minimum(t0 + C - 1, T_seq - 1)) * (HV * K) + i_hv * K
     b_last = tl.load(gc + o_last + o_d, mask=m_d, other=0.0)  # G at the chunk end   [BS]
@@ -276,8 +286,8 @@ def kda_bwd_gate_chunk_kernel(
     b_dqg = _tile(s_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * (scale * b_eG)
     b_dkd = _tile(s_dkd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * tl.exp2(b_last[None, :] - b_G)
     b_dkg = _tile(s_dw, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * b_eG
-    _put(s_dqg, b_dq + b_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-    _put(s_dkd, b_dkr + b_dkc + b_dkd + b_dkg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+    _put(s_dqg, b_dq + b_dii_q + b_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+    _put(s_dkd, b_dkr + b_dkc + b_dii_k + b_dkd + b_dkg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
     # dg_t = sum_{i >= t} dG_i + sum_{i < t} kd_i dkd_i + gl dgam (the chunk decay reaches every
     # token); the kd terms as an exclusive prefix sum (a product with a strictly lower matrix: never
     # an inclusive sum minus the term itself, which would lose a small prefix next to a large term)
@@ -509,7 +519,6 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
         kda_bwd_k_kernel[(NT, HV)](
             x.k, x.beta, p.w, p.gc, p.ls, p.xs, p.rs, s_dw, s_dL, s_db, dbeta,
             H=H, K=K, BK=BK, BS=BS, WHOLE=whole, **beta_kw, **where, **launch_options(LAUNCH, "k", BK, BV))
-        dA_part = new_empty(NT, HV, NSK, **f32) if x.A_log is not None else None
         gate = dict(lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0, GATE=gate_code(opts.gate),
                     HAS_A=x.A_log is not None, HAS_BIAS=x.dt_bias is not None)
         if whole:
@@ -522,6 +531,7 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
                 PAIR_PREC=PAIR_PREC[x.q.dtype], PREFIX_PREC="tf32x3" if PREC != "ieee" else PREC,
                 **gate, **where, **launch_options(LAUNCH, "gate_chunk", BK, BV))
         else:
+            dA_part = new_empty(NT, HV, NSK, **f32) if x.A_log is not None else None
             exact = EXACT_PAIRS if EXACT_PAIRS is not None else x.q.dtype == torch.float32
             s_yb = new_empty(NT, HV, C // 16, K, **f32)  # block sums of the kd terms
             s_B = new_empty(NT, HV, C // 16, C // 16, K, **f32)  # pair sums per block pair

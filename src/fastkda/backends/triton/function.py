@@ -4,9 +4,10 @@ By default the backward recomputes stage 1 and the scan (cheap next to the backw
 ``disable_recompute=True`` keeps them from the forward instead, at the cost of their memory.
 
 Peak memory of the backward, per token and value head, K = V = 128, C = 64, bf16 inputs (bytes):
-stage 1's w, u (512), gc, ga (1024), Akk, X (512); the scan's h (512) and v' (256); dH and dv'
-(1536); the chunk kernel's dqg, dkd, dw (1536), dAqk, dAkk (512) and dv, dg (512): 6912 B, i.e.
-3.4 GiB for B1 T8192 H64. qg, kd, Aqk are freed before the chunk kernel; dq and dk (before
+stage 1's w, u (512), gc (512; the block path also ga, 512), Akk, X (512); the scan's h (512) and
+v' (256); dH and dv' (1536); the chunk kernel's dqg, dkd, dw (1536), dAqk, dAkk (512) and dv, dg
+(512): 6400 B (whole-chunk path) or 6912 B (block path, plus its gate kernel's block sums), i.e.
+3.1 or 3.4 GiB for B1 T8192 H64. qg, kd, Aqk are freed before the chunk kernel; dq and dk (before
 l2norm) reuse the buffers of dqg and dkd.
 """
 
@@ -18,7 +19,7 @@ from ...options import KDAInputs, KDAOptions
 from .bwd_chunk import bwd_chunk, bwd_qk, whole_backward
 from .bwd_scan import bwd_scan
 from .common import contiguous, dot_config
-from .prepare import Prepared, fwd_prepare
+from .prepare import Prepared, chunk_tables_of, fwd_prepare
 from .scan import fwd_scan
 
 
@@ -42,9 +43,9 @@ def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: b
 
 class ChunkKDAFunction(torch.autograd.Function):
     """Forward and backward of the Triton chunk_kda. The context is set up apart from the forward
-    (``setup_context``), as torch.func transforms require (the compiled backward runs through
-    ``torch.func.vjp``); what ``disable_recompute`` keeps leaves the forward as extra outputs,
-    non-differentiable, and lives in the saved tensors only."""
+    (``setup_context``), as torch.func transforms require; what ``disable_recompute`` keeps leaves
+    the forward as extra outputs, non-differentiable, and lives in the saved tensors only (the
+    chunk tables, cached host-side and possibly made under inference mode, are rebuilt instead)."""
 
     @staticmethod
     def forward(opts: KDAOptions, x: KDAInputs, q, k, v, g, beta, A_log, dt_bias, initial_state):
@@ -52,7 +53,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         x = contiguous_inputs(x._replace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
                                          initial_state=initial_state))
         p, o, ht, h, vn = forward_stages(opts, x, keep=opts.disable_recompute)
-        kept = (*p[:13], h, vn) if opts.disable_recompute else ()  # stage 1, its chunk tables, the scan's h, v'
+        kept = (*p[:11], h, vn) if opts.disable_recompute else ()  # stage 1's tensors, the scan's h, v'
         return (o, ht, *kept)
 
     @staticmethod
@@ -74,22 +75,27 @@ class ChunkKDAFunction(torch.autograd.Function):
                                              initial_state=h0, cu_seqlens=cu_seqlens))
         need_dh0 = h0 is not None and ctx.needs_input_grad[9]
         if kept:
-            p = Prepared(*kept[:13], NT_total=kept[5].shape[0])  # gl: [chunks, HV, K]
-            return gradients(opts, x, p, *kept[13:], do, dht, need_dh0)
-        # no local name holds the recomputation: gradients() frees qg, kd, Aqk before its largest stage
-        return gradients(opts, x, *_recompute(opts, x), do, dht, need_dh0)
+            tables = chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu)
+            stage = [Prepared(*kept[:11], *tables), *kept[11:]]
+        else:
+            stage = _recompute(opts, x)
+        del kept
+        return gradients(opts, x, stage, do, dht, need_dh0)
 
 
-def _recompute(opts: KDAOptions, x: KDAInputs):
-    """(stage 1's output, h, v') for the backward."""
+def _recompute(opts: KDAOptions, x: KDAInputs) -> list:
+    """[stage 1's output, h, v'] for the backward."""
     p, _, _, h, vn = forward_stages(opts, x, outputs=False, keep=True)
-    return p, h, vn
+    return [p, h, vn]
 
 
-def gradients(opts: KDAOptions, x: KDAInputs, p: Prepared, h, vn, do, dht, need_dh0: bool):
-    """Backward stages 1 and 2 from stage 1's output ``p`` and the scan's ``h``, ``v'`` (contiguous
+def gradients(opts: KDAOptions, x: KDAInputs, stage: list, do, dht, need_dh0: bool):
+    """Backward stages 1 and 2 from ``stage`` = [stage 1's output, the scan's h, v'] (contiguous
     inputs ``x``): (None, None, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0), as the autograd
-    Function returns them."""
+    Function returns them. ``stage`` is emptied: no caller's reference keeps qg, kd, Aqk (freed
+    before the largest stage) or the rest (freed before the q/k reduction) alive."""
+    p, h, vn = stage
+    stage.clear()
     q, k, h0, cu_seqlens = x.q, x.k, x.initial_state, x.cu_seqlens
     DT, PREC, EMU = dot_config(q.dtype)
     do = contiguous(do)
@@ -110,7 +116,7 @@ def chunk_kda_vjp(opts: KDAOptions, x: KDAInputs, do, dht) -> dict:
     forward, without autograd: what the compiled backward (``fastkda.library``) calls, since
     ``torch.func`` hands an autograd Function's backward wrapped tensors, which kernels cannot take."""
     x = contiguous_inputs(x)
-    g = gradients(opts, x, *_recompute(opts, x), do, dht, x.initial_state is not None)[2:]
+    g = gradients(opts, x, _recompute(opts, x), do, dht, x.initial_state is not None)[2:]
     return dict(zip(("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"), g))
 
 

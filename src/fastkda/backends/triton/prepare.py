@@ -3,7 +3,8 @@
 Four launches, each over every (chunk, value head) and, where the work splits further, over the
 chunk's 16-token blocks, its two matrices or its feature slices. Two paths:
 
-The block path (any gate; the backward's recomputation):
+The block path (any gate; what the backward recomputes or keeps, except for bfloat16 inputs with
+bounded gates):
 
     gates    (chunk, block, head)   gate activation, its block-local cumulative sums (``gc``),
                                     the activated gates (``ga``) and the row norms of q and k (``rs``)
@@ -12,7 +13,8 @@ The block path (any gate; the backward's recomputation):
     inverse  (chunk, head)          X = (I + Diag(beta) Akk)^-1 (float32) and the chunk decay
     wu       (chunk, slice, head)   one feature slice of w or u
 
-The whole-chunk path (bounded gates, ``safe_gate``, when only the scan reads the result):
+The whole-chunk path (bounded gates, ``safe_gate``: inference, the forward of training, and the
+backward's stage 1 for bfloat16 inputs, ``bwd_chunk.whole_backward``):
 
     gates    (chunk, head)          gate activation, cumulative sums from the chunk start (``gc``),
                                     the chunk decay (``gl``), the row norms (``rs``)
@@ -494,6 +496,14 @@ class Prepared(NamedTuple):
     NT_total: int
 
 
+def chunk_tables_of(opts, cu_seqlens, cu_host) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """(chunk_indices, chunk_offsets, total chunks) of a call: the varlen tables (cached by the
+    sequence lengths), or None for a dense batch."""
+    if cu_seqlens is not None:
+        return chunk_tables(cu_host, opts.chunk_size, cu_seqlens.device)
+    return None, None, opts.shape.B * cdiv(opts.shape.T, opts.chunk_size)
+
+
 def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=False) -> Prepared:
     """Launch stage 1. ``whole`` (bounded gates only) takes the whole-chunk path: ``gc`` then holds
     cumulative gates from the chunk start and ``ga`` is None (the backward's kernels follow)."""
@@ -501,10 +511,7 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, who
     B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
     if whole and not opts.safe_gate:
         raise ValueError("the whole-chunk path needs bounded gates (safe_gate=True)")
-    if cu_seqlens is not None:
-        chunk_indices, chunk_offsets, NT_total = chunk_tables(cu_host, C, q.device)
-    else:
-        chunk_indices, chunk_offsets, NT_total = None, None, B * cdiv(T, C)
+    chunk_indices, chunk_offsets, NT_total = chunk_tables_of(opts, cu_seqlens, cu_host)
     dev, dt = q.device, q.dtype
     w = new_empty(B, T, HV, K, dtype=dt, device=dev)
     u = new_empty(B, T, HV, V, dtype=dt, device=dev)
