@@ -54,9 +54,10 @@ EXACT_PAIRS = None
 WHOLE_BACKWARD = None
 # Products of that kernel per input dtype. In tf32 the row and the column form of a pair term round
 # apart and their cancellation in dg leaves tf32's residue, inside bfloat16's budget: at extreme
-# bounded gates dg's error went from 2.5e-3 (block path) to 6.7e-3 (H200, bf16, T=2048); tf32x3
-# kept 2.4e-3 but made the step slower than the block path (17.2 against 15.6 ms at B1 T8192 H64,
-# tf32: 13.5 ms). float16's budget (2e-3) needs tf32x3 (docs/math.md section 5).
+# bounded gates dg's error is 4.7e-3 against 2.5e-3 on the block path (H200, bf16, T=2048; 6.7e-3
+# while the diagonal of dAqk still ran through the products); tf32x3 kept 2.4e-3 but made the step
+# slower than the block path (17.2 against 15.6 ms at B1 T8192 H64; tf32: 13.5-13.7 ms).
+# float16's budget (2e-3) needs tf32x3 (docs/math.md section 5).
 PAIR_PREC = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"}
 
 
