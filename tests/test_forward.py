@@ -155,6 +155,24 @@ def test_whole_chunk_path(axis, rng, monkeypatch):
         check("final_state (block path)", s_b.detach(), s_ref, tol)
 
 
+@pytest.mark.parametrize("B,T,H,split", [(1, 32768, 16, True), (1, 8192, 64, False), (2, 8192, 64, False),
+                                         (1, 2048, 4, False)])
+def test_split_output_default_choice(B, T, H, split):
+    """Where o leaves the scan by default (scan.SPLIT_MIN_CHUNKS, SPLIT_MAX_PROGRAMS): long sequences
+    over few scan programs only. Shapes only: meta tensors."""
+    from fastkda.backends.triton import scan
+    from fastkda.options import chunk_options
+
+    t = torch.empty(B, T, H, 128, device="meta", dtype=torch.bfloat16)
+    beta = torch.empty(B, T, H, device="meta", dtype=torch.bfloat16)
+    opts, _ = chunk_options(
+        t, t, t, t, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+        use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+        lower_bound=None, disable_recompute=False, return_intermediate_states=False, state_v_first=False,
+        cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None, A_log=None, dt_bias=None, chunk_size=64)
+    assert scan._split(opts, B * -(-T // 64)) is split
+
+
 @pytest.mark.parametrize("axis", ["dense", "varlen", "gva", "k_ne_v", "state_v_first", "chunk32", "bf16", "no_states",
                                   "t_short", "chunk32_varlen_safe"])
 def test_split_output(axis, rng, monkeypatch):

@@ -22,7 +22,7 @@ from .common import cdiv, chunk_program, mma, pow2, sequence_location
 # o leaves the scan for a chunk-parallel kernel (kda_fwd_output_kernel) when the scan is long and
 # narrow: at least SPLIT_MIN_CHUNKS chunks per sequence on average and at most SPLIT_MAX_PROGRAMS
 # scan programs, fewer than half the SMs of an H200 (B1 T32768 H16: 32 programs, 3.22 -> 2.82 ms;
-# B1 T8192 H64, 128 programs: 2.09 -> 2.17 ms, not split). None: never.
+# B1 T8192 H64, 128 programs: 2.09 -> 2.17 ms, not split; other shapes not measured). None: never.
 SPLIT_MIN_CHUNKS = 64
 SPLIT_MAX_PROGRAMS = 64
 OUT_BV = 64
