@@ -32,9 +32,9 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import block_lower, cdiv, chunk_program, gate_backward, gate_code, launch_options, pow2, row_of
+from .common import block_lower, cdiv, chunk_program, gate_backward, gate_launch, launch_options, pow2, row_of
 from .scan import _state_ptrs
-from .prepare import SLICE, _anchored, _beta, _blk, _bsums, _c, _put, _tile, _x
+from .prepare import SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _put, _tile, _x
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
 LAUNCH = {"v": (8, None), "k": (2, 128), "gate": (2, 128), "gate_chunk": (8, None)}  # tools/sweep_launch.py; "v" not yet swept
@@ -281,8 +281,7 @@ def kda_bwd_gate_chunk_kernel(
     b_dii_q = b_dAii[:, None] * b_k
     b_dii_k = b_dAii[:, None] * b_q
     # qg = scale q e^G, kd = k e^(G_last - G), kg = k e^G
-    o_last = (bos + tl.minimum(t0 + C - 1, T_seq - 1)) * (HV * K) + i_hv * K
-    b_last = tl.load(gc + o_last + o_d, mask=m_d, other=0.0)  # G at the chunk end   [BS]
+    b_last = _c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)  # G at the chunk end   [BS]
     b_eG = tl.exp2(b_G)
     b_dqg = _tile(s_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * (scale * b_eG)
     b_dkd = _tile(s_dkd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * tl.exp2(b_last[None, :] - b_G)
@@ -520,8 +519,7 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
         kda_bwd_k_kernel[(NT, HV)](
             x.k, x.beta, p.w, p.gc, p.ls, p.xs, p.rs, s_dw, s_dL, s_db, dbeta,
             H=H, K=K, BK=BK, BS=BS, WHOLE=whole, **beta_kw, **where, **launch_options(LAUNCH, "k", BK, BV))
-        gate = dict(lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0, GATE=gate_code(opts.gate),
-                    HAS_A=x.A_log is not None, HAS_BIAS=x.dt_bias is not None)
+        gate = gate_launch(opts, x.A_log, x.dt_bias)
         if whole:
             BSC = min(GATE_CHUNK_SLICE, BK)
             NSC = cdiv(K, BSC)

@@ -144,6 +144,12 @@ def gate_code(gate) -> int:
     return {GateMode.PREGATED: GATE_PREGATED, GateMode.SOFTPLUS: GATE_SOFTPLUS, GateMode.LOWER_BOUND: GATE_LOWER_BOUND}[gate]
 
 
+def gate_launch(opts, A_log, dt_bias) -> dict:
+    """The gate arguments of the chunk kernels (lower_bound, GATE, HAS_A, HAS_BIAS)."""
+    return dict(lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0, GATE=gate_code(opts.gate),
+                HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None)
+
+
 @functools.lru_cache(maxsize=64)
 def _chunk_tables(lens: tuple[int, ...], C: int, device: str):
     """(chunk_indices [NT_total, 2] int32: (sequence, chunk in sequence), chunk_offsets [N+1] int32)."""

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tables, gate_code, launch_options, pow2,
+from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tables, gate_launch, launch_options, pow2,
                      row_of)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (tools/sweep_launch.py); beyond,
@@ -89,6 +89,13 @@ def _c(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_i, o_d):
     p = gc + (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :]
     b_c = tl.load(p, mask=(o_d < K)[None, :], other=0.0)
     return tl.where(t0 < T_seq, b_c, 0.0)
+
+
+@triton.jit
+def _c_last(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, o_d):
+    """The cumulative gates from the chunk start (whole-chunk path) at the chunk's last token  [BS]."""
+    o_last = (bos + tl.minimum(t0 + C - 1, T_seq - 1)) * (HV * K) + i_hv * K
+    return tl.load(gc + o_last + o_d, mask=o_d < K, other=0.0)
 
 
 @triton.jit
@@ -463,8 +470,7 @@ def kda_fwd_wu_kernel(
             b_e = tl.exp2(b_G)
             b_q = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + o_c)[:, None]
             _put(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-            o_last = (bos + tl.minimum(t0 + C - 1, T_seq - 1)) * (HV * K) + i_hv * K
-            b_last = tl.load(gc + o_last + o_d, mask=o_d < K, other=0.0)  # G at the chunk end   [BS]
+            b_last = _c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)  # G at the chunk end   [BS]
             _put(kd, b_k * tl.exp2(b_last[None, :] - b_G), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
         else:
             b_e = tl.exp2(_c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
@@ -530,8 +536,7 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, who
         BS = min(SLICE, BK, BV)
         NC = C // 16
         where = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, HV=HV, C=C, IS_VARLEN=cu_seqlens is not None)
-        gate = dict(lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0, GATE=gate_code(opts.gate),
-                    HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None)
+        gate = gate_launch(opts, A_log, dt_bias)
         # gates, intra and inverse do not see V: their launch follows K alone (V = 2K under context
         # parallelism's fused identity run runs the binaries tuned and tested for V = K)
         beta_kw = dict(SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale)
