@@ -54,6 +54,19 @@ def check_grads(got: dict, want: dict, x: dict, tol: float):
             check(f"d{name}", got[name], ref, tol)
 
 
+def plain_options(x: dict):
+    """(options, inputs) of chunk_kda on x's q, k, v, g, beta (and initial_state, if any) with every
+    other option at its plain value: pre-gated, no final state, dense, chunk 64."""
+    from fastkda.options import chunk_options
+
+    kw = dict(scale=None, initial_state=x.get("initial_state"), output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+              cp_context=None, A_log=None, dt_bias=None, chunk_size=64)
+    return chunk_options(*(x[k] for k in ("q", "k", "v", "g", "beta")), **kw)
+
+
 def bounded(case):
     """The case with a bounded gate (safe_gate=True), the rest of its axes kept."""
     gate = "pregated_safe" if case.gate in ("pregated", "pregated_safe") else "safe"
@@ -68,4 +81,4 @@ def finite(t):
     return t is not None and bool(torch.isfinite(t).all())
 
 
-__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "tol_for", "bounded", "finite", "math"]
+__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "tol_for", "bounded", "plain_options", "finite", "math"]

@@ -4,7 +4,7 @@ per-token reference."""
 import pytest
 import torch
 from conftest import BACKENDS, DEVICE, GPU
-from helpers import AXES, OPTION_SPACE, bounded, check, grow, random_case, tol_for
+from helpers import AXES, OPTION_SPACE, bounded, check, grow, plain_options, random_case, tol_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -161,15 +161,9 @@ def test_split_output_default_choice(B, T, H, split):
     """Where o leaves the scan by default (scan.SPLIT_MIN_CHUNKS, SPLIT_MAX_PROGRAMS): long sequences
     over few scan programs only. Shapes only: meta tensors."""
     from fastkda.backends.triton import scan
-    from fastkda.options import chunk_options
 
     t = torch.empty(B, T, H, 128, device="meta", dtype=torch.bfloat16)
-    beta = torch.empty(B, T, H, device="meta", dtype=torch.bfloat16)
-    opts, _ = chunk_options(
-        t, t, t, t, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-        use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
-        lower_bound=None, disable_recompute=False, return_intermediate_states=False, state_v_first=False,
-        cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None, A_log=None, dt_bias=None, chunk_size=64)
+    opts, _ = plain_options(dict(q=t, k=t, v=t, g=t, beta=t[..., 0]))
     assert scan._split(opts, B * -(-T // 64)) is split
 
 

@@ -6,17 +6,8 @@ import pytest
 
 from fastkda import BackendUnavailableError, chunk_kda, use_backend
 from fastkda.backends import Backend, register, registry, select
-from fastkda.options import chunk_options
 from fastkda.testing import Case, make_inputs
-
-
-def _options(x):
-    kw = dict(scale=None, initial_state=x.get("initial_state"), output_final_state=False,
-              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
-              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
-              cp_context=None, A_log=None, dt_bias=None, chunk_size=64)
-    return chunk_options(*(x[k] for k in ("q", "k", "v", "g", "beta")), **kw)
+from helpers import plain_options
 
 
 class _Picky(Backend):
@@ -60,7 +51,7 @@ def test_priority_and_verifier(picky, caplog):
 
 def test_select_reports_reasons(picky):
     x = make_inputs(Case(T=10, K=16, V=8))
-    opts, inputs = _options(x)
+    opts, inputs = plain_options(x)
     backend, reasons = select("chunk_kda", opts, inputs)
     assert backend.name != "picky-test"
     assert ("picky-test", "needs K == 8, got K=16") in reasons
@@ -112,7 +103,7 @@ def test_torch_is_the_cpu_default():
     """CPU tensors go to the PyTorch backend, also when TRITON_INTERPRET=1 (the interpreter
     serves CPU tensors only when the triton backend is forced)."""
     x = make_inputs(Case(T=5))
-    opts, inputs = _options(x)
+    opts, inputs = plain_options(x)
     assert select("chunk_kda", opts, inputs)[0].name == "torch"
 
 
