@@ -193,3 +193,15 @@ def test_split_output(axis, rng, monkeypatch):
     check("o", o, o_ref, tol)
     if case.final_state:
         check("final_state", s, s_ref, tol)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+def test_whole_chunk_path_needs_bounded_gates():
+    """Stage 1's whole-chunk path refuses unbounded gates (its differences of cumulative sums would
+    lose precision there) with a ValueError, before anything is launched."""
+    from fastkda.backends.triton import prepare
+
+    x = make_inputs(Case(T=20))
+    opts, inp = plain_options(x)
+    with pytest.raises(ValueError, match="bounded gates"):
+        prepare.fwd_prepare(opts, inp.q, inp.k, inp.v, inp.g, inp.beta, None, None, None, None, whole=True)
