@@ -37,8 +37,12 @@ from .scan import _state_ptrs
 from .prepare import SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _put, _tile, _x
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
-LAUNCH = {"v": (8, None), "k": (2, 128), "gate": (2, 128), "gate_chunk": (8, None)}  # tools/sweep_launch.py; "v" not yet swept
-GATE_CHUNK_SLICE = 32  # feature columns per program of kda_bwd_gate_chunk_kernel
+# "v", "k", "gate_chunk" and the two slices below: B1 T8192 H64 safe gate, one training step on the
+# H200 (BENCHMARKS.md: v 2.66 -> 1.56 ms at 4 warps instead of 8; k 0.94 -> 0.87 ms without the cap;
+# gate_chunk 5.18 -> 5.02 ms at 4 warps and 16 columns instead of 8 warps and 32)
+LAUNCH = {"v": (4, None), "k": (2, None), "gate": (2, 128), "gate_chunk": (4, None)}
+GATE_CHUNK_SLICE = 16  # feature columns per program of kda_bwd_gate_chunk_kernel
+V_STATE_SLICE = 32  # key columns per state-product program of kda_bwd_v_kernel (1.61 ms at 64)
 # Within-block pair terms of dg: summed exactly (i >= t > j, one column at a time) or as row sums
 # minus column sums of the block's products, whose rounding leaves a residue of the cancelling
 # pairs (float32 products: up to 2e-4 of dg at extreme gates on the CPU tier, within the 16-bit
@@ -509,7 +513,7 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
         where = dict(cu_seqlens=cu_seqlens, chunk_indices=p.chunk_indices, T=T, HV=HV, C=C,
                      IS_VARLEN=cu_seqlens is not None, PREC=PREC)
         beta_kw = dict(SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale)
-        BKS = min(64, BK)
+        BKS = min(V_STATE_SLICE, BK)
         NKS = cdiv(K, BKS)
         kda_bwd_v_kernel[(NT * (NKS + 1), HV)](
             x.v, x.beta, p.u, vn, h, dhs, do, dvn, p.xs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, dv,
