@@ -171,9 +171,10 @@ BACKWARD = [
 ]
 
 
-def bench_backward(cases):
+def bench_backward(cases, done=None):
     """One training step of the operator: forward + backward, and backward alone (the graph of one
-    forward replayed), gradients of q, k, v, g, beta, A_log, dt_bias; peak memory above the inputs."""
+    forward replayed), gradients of q, k, v, g, beta, A_log, dt_bias; peak memory above the inputs.
+    ``done(rows)`` is called after each case (a run cut short keeps the cases measured)."""
     import triton.testing as tt
 
     rows = []
@@ -206,6 +207,8 @@ def bench_backward(cases):
             print(f"{name:28s} {lib:8s} fwd+bwd {ms_fb:8.3f} ms  bwd {ms_b:8.3f} ms  first {first:6.1f} s  "
                   f"peak +{peak:5.2f} GiB", flush=True)
         rows.append(row)
+        if done:
+            done(rows)
     return rows
 
 
@@ -332,17 +335,20 @@ def run(args):
     res["triton"] = triton.__version__
     print(f"copy bandwidth {res['copy_tbps']:.2f} TB/s")
     pick = (lambda cases: [c for c in cases if any(w in c[0] for w in args.cases)]) if args.cases else (lambda c: c)
+    def save(key, rows):
+        res["suites"][key] = rows
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
     suites = {"stages": ("forward_stages", breakdown),
               "forward": ("forward", lambda: bench_forward(pick(FORWARD), with_error=not args.no_error)),
-              "backward": ("backward", lambda: bench_backward(pick(BACKWARD))),
+              "backward": ("backward", lambda: bench_backward(pick(BACKWARD), lambda rows: save("backward", rows))),
               "decode": ("decode", lambda: bench_decode(DECODE))}
     for name in args.suite.split(","):  # in the order asked; the JSON is rewritten after each suite
         if name.strip() not in suites:
             raise SystemExit(f"--suite: unknown suite {name.strip()!r}; choose from {', '.join(suites)}")
         key, fn = suites[name.strip()]
-        res["suites"][key] = fn()
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        save(key, fn())
 
 
 # ---------------------------------------------------------------------------------------------
