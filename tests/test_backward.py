@@ -233,3 +233,28 @@ def test_triton_backward_long_bf16(gate):
         o64, s64 = chunk_kda(**x64)
     want = torch.autograd.grad((o64 * do.double()).sum() + (s64 * ds.double()).sum(), [x64[n] for n in leaves])
     check_grads(dict(zip(leaves, got)), dict(zip(leaves, want)), x, tol_for(torch.bfloat16, "triton"))
+
+
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+def test_exclusive_cumsum_keeps_small_prefixes(rng):
+    """common.exclusive_cumsum (the kd terms of the whole-chunk gate gradient): sum_{s < t} x_s with
+    every term added once, so a small prefix before a large term survives, where an inclusive sum
+    minus the term would return 0 in float32."""
+    from triton_probes import exclusive_cumsum_kernel
+
+    x = torch.randn(64, 16, generator=rng, dtype=torch.float64) * torch.logspace(-4, 4, 64, dtype=torch.float64)[:, None]
+    x[:40, 3] = torch.rand(40, generator=rng, dtype=torch.float64) * 1e-3  # small terms, then a large one
+    x[40, 3] = 1e8
+    want = torch.cat([torch.zeros(1, 16, dtype=torch.float64), x.cumsum(0)[:-1]])
+    x32 = x.float().to(DEVICE)
+    y = torch.full_like(x32, float("nan"))
+    exclusive_cumsum_kernel[(1,)](x32, y, N=64, M=16)
+    y = y.double().cpu()
+    assert torch.isfinite(y).all()
+    # every row against its float64 prefix, relative to the magnitude summed so far
+    scale = torch.cat([torch.ones(1, 16, dtype=torch.float64), x.abs().cumsum(0)[:-1]])
+    assert ((y - want).abs() / scale).max() < 1e-6
+    # the small prefix before the large term survives; an inclusive sum minus the term loses it
+    assert abs(y[40, 3] / want[40, 3] - 1) < 1e-6
+    naive = x32.cpu().cumsum(0) - x32.cpu()
+    assert naive[40, 3] == 0.0 and want[40, 3] > 1e-3

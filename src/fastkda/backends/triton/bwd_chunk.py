@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import block_lower, cdiv, chunk_program, gate_backward, gate_launch, launch_options, pow2, row_of
+from .common import (block_lower, cdiv, chunk_program, exclusive_cumsum, gate_backward, gate_launch, launch_options,
+                     pow2, row_of)
 from .scan import _state_ptrs
 from .prepare import SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _put, _tile, _x
 
@@ -253,7 +254,7 @@ def kda_bwd_gate_chunk_kernel(
     dg, dA_part, dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, NSK: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    PAIR_PREC: tl.constexpr, PREFIX_PREC: tl.constexpr,
+    PAIR_PREC: tl.constexpr,
 ):
     """Phase C for bounded gates after the whole-chunk stage 1 (gc from the chunk start), one
     feature slice of a chunk: the pair terms of dAqk and dAkk as [C, C] x [C, BS] products level by
@@ -293,12 +294,11 @@ def kda_bwd_gate_chunk_kernel(
     _put(s_dqg, b_dq + b_dii_q + b_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
     _put(s_dkd, b_dkr + b_dkc + b_dii_k + b_dkd + b_dkg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
     # dg_t = sum_{i >= t} dG_i + sum_{i < t} kd_i dkd_i + gl dgam (the chunk decay reaches every
-    # token); the kd terms as an exclusive prefix sum (a product with a strictly lower matrix: never
-    # an inclusive sum minus the term itself, which would lose a small prefix next to a large term)
+    # token); the kd terms as an exclusive prefix sum (common.exclusive_cumsum; it replaced a tf32x3
+    # product with a strictly lower [C, C] matrix, which held a quarter of the registers)
     b_dG = b_q * (b_dq + b_dqg) + b_k * (b_dkr - b_dkc + b_dkg)
-    b_strict = tl.where(o_c[:, None] > o_c[None, :], 1.0, 0.0)
     b_gam = tl.exp2(b_last) * tl.load(s_dgam + i_p * K + o_d, mask=m_d, other=0.0)
-    b_dgr = tl.cumsum(b_dG, 0, reverse=True) + _mm(b_strict, b_k * b_dkd, PREFIX_PREC) + b_gam[None, :]
+    b_dgr = tl.cumsum(b_dG, 0, reverse=True) + exclusive_cumsum(b_k * b_dkd, 0) + b_gam[None, :]
     b_sA, b_sb = _dg_out(g, A_log, dt_bias, dg, b_dgr, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A,
                          HAS_BIAS)
     if HAS_BIAS:
@@ -531,7 +531,7 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
             kda_bwd_gate_chunk_kernel[(NT * NSC, HV)](
                 x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
                 dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=BSC, NSK=NSC,
-                PAIR_PREC=PAIR_PREC[x.q.dtype], PREFIX_PREC="tf32x3" if PREC != "ieee" else PREC,
+                PAIR_PREC=PAIR_PREC[x.q.dtype],
                 **gate, **where, **launch_options(LAUNCH, "gate_chunk", BK, BV))
         else:
             dA_part = new_empty(NT, HV, NSK, **f32) if x.A_log is not None else None

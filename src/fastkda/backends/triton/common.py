@@ -128,6 +128,20 @@ def mma(x, DT: tl.constexpr, EMU: tl.constexpr):
 
 
 @triton.jit
+def _exclusive_combine(a1, b1, a2, b2):
+    # (sum of a segment without its last element, its last element) of two adjacent segments
+    return a1 + b1 + a2, b2
+
+
+@triton.jit
+def exclusive_cumsum(x, axis: tl.constexpr):
+    """sum_{s < t} x_s along ``axis``: a scan that adds every term once, in order (never an inclusive
+    sum minus the term itself, which loses a small prefix next to a large term)."""
+    b_s, _ = tl.associative_scan((tl.zeros_like(x), x), axis, _exclusive_combine)
+    return b_s
+
+
+@triton.jit
 def row_of(x, o_r, r):
     """Row r of a [R, C] tile, as a [C] vector."""
     return tl.sum(tl.where(o_r[:, None] == r, x, 0.0), 0)

@@ -1,0 +1,14 @@
+"""Small Triton kernels that run one library helper on a tile, for tests of those helpers (imported
+inside the tests, so that the test modules load without Triton)."""
+
+import triton
+import triton.language as tl
+
+from fastkda.backends.triton.common import exclusive_cumsum
+
+
+@triton.jit
+def exclusive_cumsum_kernel(x, y, N: tl.constexpr, M: tl.constexpr):
+    """y [N, M] = common.exclusive_cumsum of x [N, M] along the rows."""
+    o = tl.arange(0, N)[:, None] * M + tl.arange(0, M)[None, :]
+    tl.store(y + o, exclusive_cumsum(tl.load(x + o), 0))
