@@ -7,9 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...options import GateMode
 from ...testing import new_empty
-from .common import activate_gate, cdiv, chunk_location, chunk_tables, gate_backward, pow2
+from .common import activate_gate, cdiv, chunk_location, chunk_tables, gate_backward, gate_launch, pow2
 
 ROWS = 32  # rows (tokens) per program of the elementwise kernels
 
@@ -69,10 +68,6 @@ def kda_gate_cumsum_kernel(g, A_log, dt_bias, y, cu_seqlens, chunk_indices, lowe
     tl.store(y + p, b_y.to(y.dtype.element_ty), mask=m)
 
 
-def _code(opts) -> int:
-    return 1 if opts.gate is GateMode.SOFTPLUS else 2
-
-
 class _GateFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, A_log, dt_bias, opts):
@@ -80,12 +75,9 @@ class _GateFunction(torch.autograd.Function):
         g2 = g.contiguous().view(-1, HV, K)
         R = g2.shape[0]
         y = new_empty(*g.shape, dtype=opts.output_dtype, device=g.device)
-        lb = opts.lower_bound if opts.lower_bound is not None else 0.0
         if R:
             kda_gate_fwd_kernel[(cdiv(R, ROWS), HV)](
-                g2, A_log, dt_bias, y, lb, R, HV=HV, K=K, BK=pow2(K, 1), BR=ROWS, GATE=_code(opts),
-                HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
-            )
+                g2, A_log, dt_bias, y, R=R, HV=HV, K=K, BK=pow2(K, 1), BR=ROWS, **gate_launch(opts, A_log, dt_bias))
         ctx.save_for_backward(g2, A_log, dt_bias)
         ctx.opts, ctx.shape, ctx.dtype = opts, g.shape, g.dtype
         return y
@@ -101,10 +93,8 @@ class _GateFunction(torch.autograd.Function):
         db_part = new_empty(nr, HV, K, dtype=torch.float32, device=g2.device) if dt_bias is not None else None
         if R:
             kda_gate_bwd_kernel[(nr, HV)](
-                g2, A_log, dt_bias, dy.contiguous().view(R, HV, K), dg, dA_part, db_part,
-                opts.lower_bound if opts.lower_bound is not None else 0.0, R, HV=HV, K=K, BK=pow2(K, 1), BR=ROWS,
-                GATE=_code(opts), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
-            )
+                g2, A_log, dt_bias, dy.contiguous().view(R, HV, K), dg, dA_part, db_part, R=R, HV=HV, K=K,
+                BK=pow2(K, 1), BR=ROWS, **gate_launch(opts, A_log, dt_bias))
         dA = dA_part.sum(0).view_as(A_log).to(A_log.dtype) if A_log is not None else None
         db = db_part.sum(0).view_as(dt_bias).to(dt_bias.dtype) if dt_bias is not None else None
         return dg.view(ctx.shape), dA, db, None
@@ -125,8 +115,6 @@ def gate_chunk_cumsum(opts, g, A_log, dt_bias, cu_seqlens):
         chunk_indices, NT_total = None, B * cdiv(T, C)
     if NT_total:
         kda_gate_cumsum_kernel[(NT_total, HV)](
-            g, A_log, dt_bias, y, cu_seqlens, chunk_indices, opts.lower_bound if opts.lower_bound is not None else 0.0,
-            opts.scale if opts.scale is not None else 1.0, T, HV=HV, K=K, BK=pow2(K, 1), C=C, GATE=_code(opts),
-            HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, IS_VARLEN=cu_seqlens is not None,
-        )
+            g, A_log, dt_bias, y, cu_seqlens, chunk_indices, scale=opts.scale if opts.scale is not None else 1.0, T=T,
+            HV=HV, K=K, BK=pow2(K, 1), C=C, IS_VARLEN=cu_seqlens is not None, **gate_launch(opts, A_log, dt_bias))
     return y

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import activate_gate, cdiv, contiguous, gate_code, pow2
+from .common import activate_gate, cdiv, contiguous, gate_launch, pow2
 
 # value columns and warps per program: many one-warp programs keep the most state loads in
 # flight (H200, N=256 H=32 K=V=128, CUDA graph: BV=16/1 warp 0.356 ms, 32/1 0.373, 32/4 0.404)
@@ -204,10 +204,9 @@ def recurrent_forward(opts, x):
     if N * HV > 0:
         kda_recurrent_kernel[(cdiv(V, BV), N * HV)](
             q, k, v, g, beta, x.A_log, x.dt_bias, o, h0, ht, x.cu_seqlens, idx, acc, err,
-            opts.scale, opts.lower_bound if opts.lower_bound is not None else 0.0, T, num_slots,
-            idx.stride(0) if idx is not None else 0, cols,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, GATE=gate_code(opts.gate), HAS_A=x.A_log is not None,
-            HAS_BIAS=x.dt_bias is not None, L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid,
+            scale=opts.scale, T=T, num_slots=num_slots, stride_idx=idx.stride(0) if idx is not None else 0, COLS=cols,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **gate_launch(opts, x.A_log, x.dt_bias), L2NORM=opts.qk_l2norm,
+            SIGMOID=opts.beta_sigmoid,
             BETA_SCALE=opts.beta_scale, USE_H0=h0 is not None, STORE_HT=ht is not None, POOL=opts.pool,
             SPEC=opts.spec_decode, INPLACE=opts.inplace_final_state, V_FIRST=opts.state_v_first,
             IS_VARLEN=x.cu_seqlens is not None, num_warps=warps,
