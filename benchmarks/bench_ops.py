@@ -4,8 +4,10 @@
     python benchmarks/bench_ops.py --render out.json                   # writes BENCHMARKS.md
 
 Times are medians of ``triton.testing.do_bench`` after warm-up; "first call" is the wall time of
-the first call of a shape (Triton compilation and autotuning included). Errors are relative RMS
-against the float64 per-token reference where that is affordable.
+the first call of a shape (Triton compilation and autotuning included, on top of whatever the
+Triton cache holds); the ``compile`` suite times first calls in fresh processes with an empty
+Triton cache (cold compilation, imports excluded). Errors are relative RMS against the float64
+per-token reference where that is affordable.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -123,6 +127,46 @@ def bench_forward(cases, with_error=True):
             row[lib] = {"ms": ms, "first_s": first, "peak_gib": peak, "err": err,
                         "gbps": io_bytes(x, o.numel()) / ms / 1e6}
             print(f"{name:28s} {lib:8s} {ms:8.3f} ms  first {first:6.1f} s  peak +{peak:5.2f} GiB  err {err:.2e}", flush=True)
+        rows.append(row)
+    return rows
+
+
+COMPILE = ["B1 T8192 H64", "B1 T8192 H64 softplus"]  # forward cases timed cold (one per intra path)
+
+
+def cold_first_call(lib: str, case: str) -> float:
+    """Seconds of the first forward call of ``lib`` on ``case`` in a fresh process whose Triton cache
+    starts empty: cold compilation (and fla-core's autotuning), imports and input creation excluded."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--cold-one", lib, case], env=env,
+                             capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"cold first call of {lib} on {case!r} failed:\n{out.stderr[-2000:]}")
+        return float(out.stdout.strip().splitlines()[-1])
+
+
+def _cold_one(lib: str, case: str):
+    """(in the child process of ``cold_first_call``) print the first call's seconds."""
+    _, B, T, H, seqlens, gate = next(c for c in FORWARD if c[0] == case)
+    fn = _impls()[lib]
+    x, kw = make(B, T, H, seqlens, gate)
+    torch.cuda.synchronize()
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        fn(**x, **kw)
+        torch.cuda.synchronize()
+    print(f"{time.perf_counter() - t0:.3f}")
+
+
+def bench_compile(cases):
+    rows = []
+    libs = list(_impls())
+    for case in cases:
+        row = {"case": case}
+        for lib in libs:
+            row[lib] = {"cold_s": cold_first_call(lib, case)}
+            print(f"{case:28s} {lib:8s} cold first call {row[lib]['cold_s']:6.1f} s", flush=True)
         rows.append(row)
     return rows
 
@@ -343,6 +387,8 @@ def run(args):
     suites = {"stages": ("forward_stages", breakdown),
               "forward": ("forward", lambda: bench_forward(pick(FORWARD), with_error=not args.no_error)),
               "backward": ("backward", lambda: bench_backward(pick(BACKWARD), lambda rows: save("backward", rows))),
+              "compile": ("compile", lambda: bench_compile([c for c in COMPILE if not args.cases
+                                                            or any(w in c for w in args.cases)])),
               "decode": ("decode", lambda: bench_decode(DECODE))}
     for name in args.suite.split(","):  # in the order asked; the JSON is rewritten after each suite
         if name.strip() not in suites:
@@ -376,6 +422,14 @@ def render(path):
                           f"| {a['first_s']:.1f} / {b['first_s']:.1f} | {a['peak_gib']:.2f} / {b['peak_gib']:.2f} | {a['err']:.1e} / {b['err']:.1e} |")
             else:
                 md.append(f"| {r['case']} | {a['ms']:.3f} | - | - | {a['gbps']:.0f} ({floor:.3f}) | {a['first_s']:.1f} / - | {a['peak_gib']:.2f} / - | {a['err']:.1e} / - |")
+        cold = res["suites"].get("compile")
+        if cold:
+            md += ["", "Cold compilation: the first call in a fresh process with an empty Triton cache (fla-core's "
+                   "autotuning included; imports and inputs excluded).", "",
+                   "| case | cold first call fastkda / fla (s) |", "|---|---:|"]
+            md += [f"| {r['case']} | {r['fastkda']['cold_s']:.1f} / "
+                   f"{r['fla']['cold_s']:.1f} |" if "fla" in r else f"| {r['case']} | {r['fastkda']['cold_s']:.1f} / - |"
+                   for r in cold]
         write_section("gpu-forward", "\n".join(md))
 
 
@@ -441,14 +495,18 @@ def render_decode(res):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--suite", default="forward", help="comma list of: stages, forward, backward, decode")
+    p.add_argument("--suite", default="forward", help="comma list of: stages, forward, compile, backward, decode")
     p.add_argument("--json", default="bench.json")
     p.add_argument("--render", default=None, help="write BENCHMARKS.md from a JSON result")
     p.add_argument("--no-error", action="store_true")
     p.add_argument("--cases", default=None, type=lambda x: x.split(","),
                    help="forward/backward cases whose name contains one of these comma-separated words")
+    p.add_argument("--cold-one", nargs=2, metavar=("LIB", "CASE"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.render:
+    if args.cold_one:
+        os.environ.setdefault("FASTKDA_BACKEND", "triton")
+        _cold_one(*args.cold_one)
+    elif args.render:
         render(args.render)
         render_backward(json.load(open(args.render)))
         render_decode(json.load(open(args.render)))

@@ -27,6 +27,8 @@ def test_bench_ops_render(tmp_path, sections, monkeypatch):
     res = {"env": ENV, "copy_tbps": 4.0, "fla_version": "0.6.0", "suites": {
         "forward": [{"case": "B1 T8192 H64", "fastkda": lib, "fla": {**lib, "ms": 1.0}},
                     {"case": "B1 T32768 H16", "fastkda": lib}],
+        "compile": [{"case": "B1 T8192 H64", "fastkda": {"cold_s": 12.0}, "fla": {"cold_s": 30.5}},
+                    {"case": "B1 T8192 H64 softplus", "fastkda": {"cold_s": 9.25}}],
         "backward": [{"case": "B1 T8192 H64 safe", "fastkda": {"ms_fwd_bwd": 10.0, "ms_bwd": 8.0, "first_s": 5.0,
                                                                  "peak_gib": 3.6},
                       "fla": {"ms_fwd_bwd": 8.0, "ms_bwd": 6.0, "first_s": 100.0, "peak_gib": 3.8}}],
@@ -43,6 +45,8 @@ def test_bench_ops_render(tmp_path, sections, monkeypatch):
     bench_ops.render_decode(res)
     assert "| B1 T8192 H64 | 2.000 | 1.000 | 0.50x |" in sections["gpu-forward"]
     assert "| B1 T32768 H16 | 2.000 | - | - |" in sections["gpu-forward"]
+    assert "| B1 T8192 H64 | 12.0 / 30.5 |" in sections["gpu-forward"]
+    assert "| B1 T8192 H64 softplus | 9.2 / - |" in sections["gpu-forward"]
     assert "| B1 T8192 H64 safe | 10.00 / 8.00 | 0.80x |" in sections["gpu-backward"]
     assert "| 256 | 32 / 32 | 0.5000 | 0.3200 | 0.4000 | 1.25x | 0.4000 | 0.4400 | 1.10x |" in sections["gpu-decode"]
     assert "BV=16 1 warps 0.3600 ms" in sections["gpu-decode"] and "BV=32 4 warps - ms" in sections["gpu-decode"]
