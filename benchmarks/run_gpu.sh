@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmarks and the GPU tier in one go, on a machine with a CUDA GPU and torch + triton:
 #   benchmarks/run_gpu.sh OUTDIR ["bench suites"] ["pytest selection"] [pytest args...]
-# e.g. benchmarks/run_gpu.sh out "forward,decode,backward" "tests"
+# e.g. benchmarks/run_gpu.sh out "forward,compile,decode,backward" "tests"
 #
 # Benchmarks first (suites in the order given; bench.json is rewritten after each suite), then the
 # tests, both with one Triton cache (autotuning results included) that is packed into OUTDIR/tc.*
