@@ -73,6 +73,22 @@ def bounded(case):
     return case.replace(gate=gate, lower_bound=max(case.lower_bound, -5.0))
 
 
+def spy_launches(monkeypatch, module, *names) -> list:
+    """Wrap the kernels ``names`` of ``module`` so that every launch appends its kernel's name to the
+    returned list (which path ran), then launches it as before."""
+    launches = []
+    for name in names:
+        kernel = getattr(module, name)
+
+        class Spy:
+            def __getitem__(self, grid, name=name, kernel=kernel):
+                launches.append(name)
+                return kernel[grid]
+
+        monkeypatch.setattr(module, name, Spy())
+    return launches
+
+
 def tol_for(dtype: torch.dtype, backend: str = "torch") -> float:
     return tolerance(dtype, backend)
 
@@ -81,4 +97,5 @@ def finite(t):
     return t is not None and bool(torch.isfinite(t).all())
 
 
-__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "tol_for", "bounded", "plain_options", "finite", "math"]
+__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "tol_for", "bounded", "plain_options", "spy_launches", "finite",
+           "math"]

@@ -4,7 +4,7 @@ per-token reference."""
 import pytest
 import torch
 from conftest import BACKENDS, DEVICE, GPU
-from helpers import AXES, OPTION_SPACE, bounded, check, grow, plain_options, random_case, tol_for
+from helpers import AXES, OPTION_SPACE, bounded, check, grow, plain_options, random_case, spy_launches, tol_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -130,15 +130,7 @@ def test_whole_chunk_path(axis, rng, monkeypatch):
 
     monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", False)  # disable_recompute below: the block path
     case = bounded(grow(AXES[axis], GPU) if axis in AXES else WHOLE_EXTRA[axis])
-    launches = []
-    kernel = prepare.kda_fwd_intra_chunk_kernel
-
-    class Spy:  # proves which path ran
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(prepare, "kda_fwd_intra_chunk_kernel", Spy())
+    launches = spy_launches(monkeypatch, prepare, "kda_fwd_intra_chunk_kernel")  # proves which path ran
     x = make_inputs(case, device=DEVICE, generator=rng)
     with use_backend("triton"):
         o, s = chunk_kda(**x, chunk_size=case.chunk_size)
@@ -176,15 +168,7 @@ def test_split_output(axis, rng, monkeypatch):
 
     monkeypatch.setattr(scan, "SPLIT_MIN_CHUNKS", 1)
     monkeypatch.setattr(scan, "SPLIT_MAX_PROGRAMS", 1 << 30)
-    launches = []
-    kernel = scan.kda_fwd_output_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(scan, "kda_fwd_output_kernel", Spy())
+    launches = spy_launches(monkeypatch, scan, "kda_fwd_output_kernel")
     case = grow(AXES[axis], GPU)
     x, o, s, _ = run_forward("triton", case, rng)
     assert launches, "the output kernel did not run"
