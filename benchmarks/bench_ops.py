@@ -101,6 +101,16 @@ def _reference(x, kw):
     return o_r, (slice(None), slice(0, n))
 
 
+def timed_once(call):
+    """(result, wall seconds) of one call of ``call()``, the GPU synchronised before and after: on
+    a shape's first call, compilation included."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = call()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
 def bench_forward(cases, with_error=True):
     import triton.testing as tt
 
@@ -113,12 +123,8 @@ def bench_forward(cases, with_error=True):
         row = {"case": name, "gate": gate, "B": B, "T": sum(seqlens) if seqlens else T, "H": H}
         ref = _reference(x, kw) if with_error else None
         for lib, fn in impls.items():
-            torch.cuda.synchronize()
             with torch.inference_mode():
-                t0 = time.perf_counter()
-                o, _ = fn(**x, **kw)
-                torch.cuda.synchronize()
-                first = time.perf_counter() - t0
+                (o, _), first = timed_once(lambda: fn(**x, **kw))
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
                 ms = tt.do_bench(lambda: fn(**x, **kw), warmup=25, rep=200, return_mode="median")
@@ -151,12 +157,9 @@ def _cold_one(lib: str, case: str):
     _, B, T, H, seqlens, gate = next(c for c in FORWARD if c[0] == case)
     fn = _impls()[lib]
     x, kw = make(B, T, H, seqlens, gate)
-    torch.cuda.synchronize()
     with torch.inference_mode():
-        t0 = time.perf_counter()
-        fn(**x, **kw)
-        torch.cuda.synchronize()
-    print(f"{time.perf_counter() - t0:.3f}")
+        _, seconds = timed_once(lambda: fn(**x, **kw))
+    print(f"{seconds:.3f}")
 
 
 def bench_compile(cases):
@@ -233,11 +236,7 @@ def bench_backward(cases, done=None):
                 o, _ = fn(**x, **kw)
                 return torch.autograd.grad(o, leaves, do)
 
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            first = time.perf_counter() - t0
+            _, first = timed_once(step)
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             step()
@@ -379,6 +378,7 @@ def run(args):
     res["triton"] = triton.__version__
     print(f"copy bandwidth {res['copy_tbps']:.2f} TB/s")
     pick = (lambda cases: [c for c in cases if any(w in c[0] for w in args.cases)]) if args.cases else (lambda c: c)
+
     def save(key, rows):
         res["suites"][key] = rows
         with open(args.json, "w") as f:

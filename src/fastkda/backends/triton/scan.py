@@ -130,13 +130,18 @@ def kda_fwd_output_kernel(
     tl.store(o + r_t * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
+def _scan_bv(V: int) -> int:
+    """Value columns per scan program."""
+    return min(pow2(V), SCAN_BV)
+
+
 def _split(opts, NT_total: int) -> bool:
     """Whether o leaves the scan: long sequences (chunks per sequence, on average), where the
     scan's chunk-after-chunk loop dominates."""
     s = opts.shape
     if SPLIT_MIN_CHUNKS is None or opts.return_intermediate_states or s.N == 0:
         return False
-    programs = cdiv(s.V, min(pow2(s.V), SCAN_BV)) * s.N * s.HV
+    programs = cdiv(s.V, _scan_bv(s.V)) * s.N * s.HV
     return NT_total >= SPLIT_MIN_CHUNKS * s.N and programs <= SPLIT_MAX_PROGRAMS
 
 
@@ -160,7 +165,7 @@ def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep
         lead = (1, p.NT_total) if cu_seqlens is not None else (B, cdiv(T, C))
         h = new_empty(*lead, HV, *opts.state_shape, dtype=torch.float32, device=dev)
     BK = pow2(K)
-    BV = min(pow2(V), SCAN_BV)
+    BV = _scan_bv(V)
     split = outputs and not keep and _split(opts, p.NT_total)
     o_scan = o
     if split:  # the scan writes h and v' (input dtype), the output kernel o
