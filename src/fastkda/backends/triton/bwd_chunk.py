@@ -35,14 +35,14 @@ from ...testing import new_empty
 from .common import (block_lower, cdiv, chunk_program, exclusive_cumsum, gate_backward, gate_launch, launch_options,
                      pow2, row_of)
 from .scan import _state_ptrs
-from .prepare import SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _put, _tile, _x
+from .prepare import SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _put, _tile, _x, level_pairs
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
 # "v", "k", "gate_chunk" and the two slices below: B1 T8192 H64 safe gate, one training step on the
 # H200 (BENCHMARKS.md: v 2.66 -> 1.56 ms at 4 warps instead of 8; k 0.94 -> 0.87 ms without the cap;
-# gate_chunk 5.18 -> 5.02 ms at 4 warps and 16 columns instead of 8 warps and 32)
-LAUNCH = {"v": (4, None), "k": (2, None), "gate": (2, 128), "gate_chunk": (4, None)}
-GATE_CHUNK_SLICE = 16  # feature columns per program of kda_bwd_gate_chunk_kernel
+# gate_chunk 4.22 | 2.99 | 4.55 | 3.91 ms at 16 columns 4 warps | 32, 4 | 32, 8 | 64, 8)
+LAUNCH = {"v": (4, None), "k": (2, None), "gate_chunk": (4, None), "gate": (2, 128)}
+GATE_CHUNK_SLICE = 32  # feature columns per program of kda_bwd_gate_chunk_kernel
 V_STATE_SLICE = 32  # key columns per state-product program of kda_bwd_v_kernel (1.61 ms at 64)
 # Within-block pair terms of dg: summed exactly (i >= t > j, one column at a time) or as row sums
 # minus column sums of the block's products, whose rounding leaves a residue of the cancelling
@@ -105,12 +105,12 @@ def kda_bwd_v_kernel(
     cu_seqlens, chunk_indices, scale, T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKS: tl.constexpr, NKS: tl.constexpr,
     BV: tl.constexpr, BS: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, MIRROR: tl.constexpr,
 ):
     """Phase A, the contractions over V, as [C, BS] x [BS, .] products of the whole chunk. Parts
     0..NKS-1 of a chunk: the state products for BKS feature columns each (dqg, dkd, dw and the
     chunk-decay gradient dgam); part NKS: the products within the chunk (dAqk, a, dv, dL, beta's
-    first terms)."""
+    first terms). MIRROR: dAqk's upper triangle holds its transpose (else zeros)."""
     i_part, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NKS + 1)
     o_c = tl.arange(0, C)
     if i_part < NKS:
@@ -149,7 +149,11 @@ def kda_bwd_v_kernel(
             b_dL -= _mm(b_a, tl.trans(_tile(u, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)), PREC)
         o_cc = i_p * C * C + o_c[:, None] * C + o_c[None, :]
         # Aqk is stored times scale: its gradient goes to q and k times scale
-        tl.store(s_dA + o_cc, tl.where(o_c[:, None] >= o_c[None, :], b_dA * scale, 0.0))
+        b_dA *= scale
+        b_up = tl.zeros([C, C], tl.float32)
+        if MIRROR:
+            b_up = tl.trans(b_dA)
+        tl.store(s_dA + o_cc, tl.where(o_c[:, None] >= o_c[None, :], b_dA, b_up))
         tl.store(s_dL + o_cc, b_dL)
         tl.store(s_db + i_p * C + o_c, b_db)
 
@@ -162,7 +166,8 @@ def kda_bwd_k_kernel(
     SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, WHOLE: tl.constexpr,
 ):
     """Phase B: the contractions over K, row block by row block (dw is overwritten with dkg). With
-    WHOLE, gc holds cumulative gates from the chunk start (the whole-chunk stage 1)."""
+    WHOLE, gc holds cumulative gates from the chunk start (the whole-chunk stage 1), and dAkk leaves
+    with its transpose in its upper triangle (for kda_bwd_gate_chunk_kernel)."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
     i_h = i_hv // (HV // H)
     o_i = tl.arange(0, 16)
@@ -198,7 +203,13 @@ def kda_bwd_k_kernel(
         b_dL = tl.where(m_low, b_dL, 0.0)
         b_Akk = tl.load(ls + (16 * r + o_i)[:, None] * C + o_c[None, :], mask=m_low, other=0.0)
         b_db += tl.sum(b_dL * b_Akk, 1)
-        tl.store(s_dL + (16 * r + o_i)[:, None] * C + o_c[None, :], b_b[:, None] * b_dL)  # dAkk
+        b_dL = b_b[:, None] * b_dL  # dAkk
+        if WHOLE:  # this block's rows up to the diagonal, and transposed above it (in rows read before)
+            o_r = 16 * r + o_i
+            tl.store(s_dL + o_r[:, None] * C + o_c[None, :], b_dL, mask=o_r[:, None] >= o_c[None, :])
+            tl.store(s_dL + o_c[None, :] * C + o_r[:, None], b_dL, mask=m_low)
+        else:
+            tl.store(s_dL + (16 * r + o_i)[:, None] * C + o_c[None, :], b_dL)
         # beta: through the sigmoid of the logits when it runs in the kernel
         o_t = tr + o_i
         m_t = o_t < T_seq
@@ -235,16 +246,17 @@ def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0
                 K: tl.constexpr, o_c, o_d, S: tl.constexpr, PREC: tl.constexpr):
     """Add level S of the pair terms i > j (anchored as in the forward, prepare._anchored) to dq (rows
     of dAqk), dk through the rows of dAkk (dkr) and dk through the columns of both (dkc). The [C, C]
-    gradients are loaded per level, the level's entries only (one of them in registers at a time).
-    The diagonal of dAqk is left to the caller."""
+    gradients are loaded per level, the level's entries only, each twice: from its lower triangle
+    and, transposed, from its upper one (written there by kda_bwd_v_kernel and kda_bwd_k_kernel:
+    float32 products take both operands K-major, and a transpose in registers here cost 8-way bank
+    conflicts in every slice program). The diagonal of dAqk is left to the caller."""
     m, b_r, b_c = _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, 1, S)
+    m_t = level_pairs(o_c[None, :], o_c[:, None], 1, S)  # the level's transposed entries: upper triangle
     b_kc = b_k * b_c
-    b_M = tl.load(s_dA + o_cc, mask=m, other=0.0)
-    b_dq += b_r * _mm(b_M, b_kc, PREC)
-    b_col = _mm(tl.trans(b_M), b_q * b_r, PREC)
-    b_M = tl.load(s_dL + o_cc, mask=m, other=0.0)
-    b_dkr += b_r * _mm(b_M, b_kc, PREC)
-    b_dkc += b_c * (b_col + _mm(tl.trans(b_M), b_k * b_r, PREC))
+    b_dq += b_r * _mm(tl.load(s_dA + o_cc, mask=m, other=0.0), b_kc, PREC)
+    b_col = _mm(tl.load(s_dA + o_cc, mask=m_t, other=0.0), b_q * b_r, PREC)
+    b_dkr += b_r * _mm(tl.load(s_dL + o_cc, mask=m, other=0.0), b_kc, PREC)
+    b_dkc += b_c * (b_col + _mm(tl.load(s_dL + o_cc, mask=m_t, other=0.0), b_k * b_r, PREC))
     return b_dq, b_dkr, b_dkc
 
 
@@ -515,11 +527,11 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
         beta_kw = dict(SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale)
         BKS = min(V_STATE_SLICE, BK)
         NKS = cdiv(K, BKS)
+        whole = p.ga is None  # stage 1 took the whole-chunk path: gc from the chunk start
         kda_bwd_v_kernel[(NT * (NKS + 1), HV)](
             x.v, x.beta, p.u, vn, h, dhs, do, dvn, p.xs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, dv,
-            scale=opts.scale, K=K, V=V, BKS=BKS, NKS=NKS, BV=BV, BS=BS, **beta_kw, **where,
+            scale=opts.scale, K=K, V=V, BKS=BKS, NKS=NKS, BV=BV, BS=BS, MIRROR=whole, **beta_kw, **where,
             **launch_options(LAUNCH, "v", BK, BV))
-        whole = p.ga is None  # stage 1 took the whole-chunk path: gc from the chunk start
         kda_bwd_k_kernel[(NT, HV)](
             x.k, x.beta, p.w, p.gc, p.ls, p.xs, p.rs, s_dw, s_dL, s_db, dbeta,
             H=H, K=K, BK=BK, BS=BS, WHOLE=whole, **beta_kw, **where, **launch_options(LAUNCH, "k", BK, BV))

@@ -250,6 +250,17 @@ def _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, J, C: tl.constexp
 
 
 @triton.jit
+def level_pairs(i, j, strict, S: tl.constexpr):
+    """Mask of the pairs (i, j) of level S (see _anchored); level_pairs(j, i, ..) is its transpose."""
+    m = (i // S) == (j // S)
+    if S == 16:
+        m = m & (j <= i - strict)
+    else:
+        m = m & (i % S >= S // 2) & (j % S < S // 2)
+    return m
+
+
+@triton.jit
 def _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict, S: tl.constexpr):
     """Level S of a chunk's pairs (docs/math.md section 3): (mask [C, C] of its pairs i >= j + strict,
     row factors e^(G - G_a), column factors e^(G_a - G) [C, BS]) with one anchor a per row and
@@ -257,20 +268,15 @@ def _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, 
     |exponent| <= 58 for bounded gates). S = 32, 64: every S-row segment's second half against its
     first, anchored at the first half's last token: exponents <= 0 on the pairs kept, clamped at 0
     elsewhere (finite, discarded)."""
-    i = o_c[:, None]
-    j = o_c[None, :]
-    m = (i // S) == (j // S)
     if S == 16:
         b_a = _c(gc, bos, t0, T_seq, i_hv, HV, K, (o_c // 16) * 16 + 8, o_d)  # each row's anchor
         b_r = tl.exp2(b_G - b_a)
         b_c = tl.exp2(b_a - b_G)
-        m = m & (j <= i - strict)
     else:
         b_a = _c(gc, bos, t0, T_seq, i_hv, HV, K, (o_c // S) * S + S // 2 - 1, o_d)
         b_r = tl.exp2(tl.minimum(b_G - b_a, 0.0))
         b_c = tl.exp2(tl.minimum(b_a - b_G, 0.0))
-        m = m & (i % S >= S // 2) & (j % S < S // 2)
-    return m, b_r, b_c
+    return level_pairs(o_c[:, None], o_c[None, :], strict, S), b_r, b_c
 
 
 @triton.jit
