@@ -78,17 +78,21 @@ def copy_bandwidth():
     return 2 * a.numel() / ms / 1e9  # TB/s: bytes read + written
 
 
+LIBS = ("fastkda", "fla")  # the libraries timed (--libs)
+
+
 def _impls():
     import fastkda
 
     impls = {"fastkda": fastkda.chunk_kda}
-    try:
-        from fla.ops.kda import chunk_kda as fla_chunk_kda
+    if "fla" in LIBS:
+        try:
+            from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-        impls["fla"] = fla_chunk_kda
-    except Exception as e:  # report, do not hide
-        print(f"fla-core not importable: {type(e).__name__}: {e}")
-    return impls
+            impls["fla"] = fla_chunk_kda
+        except Exception as e:  # report, do not hide
+            print(f"fla-core not importable: {type(e).__name__}: {e}")
+    return {lib: fn for lib, fn in impls.items() if lib in LIBS}
 
 
 def _reference(x, kw):
@@ -304,12 +308,13 @@ def bench_decode(cases):
     from fastkda.backends.triton import recurrent
 
     impls = {"fastkda": fastkda.fused_recurrent_kda}
-    try:
-        from fla.ops.kda import fused_recurrent_kda as fla_rec
+    if "fla" in LIBS:
+        try:
+            from fla.ops.kda import fused_recurrent_kda as fla_rec
 
-        impls["fla"] = fla_rec
-    except Exception as e:
-        print(f"fla-core not importable: {e}")
+            impls["fla"] = fla_rec
+        except Exception as e:
+            print(f"fla-core not importable: {e}")
     rows, K = [], 128
     for N, H, HV in cases:
         x, kw, pool, slots = _decode_inputs(N, H, HV, K)
@@ -501,8 +506,14 @@ def main():
     p.add_argument("--no-error", action="store_true")
     p.add_argument("--cases", default=None, type=lambda x: x.split(","),
                    help="forward/backward cases whose name contains one of these comma-separated words")
+    p.add_argument("--libs", default=",".join(LIBS), type=lambda x: tuple(x.split(",")),
+                   help="comma list of the libraries timed: fastkda, fla (a run without fla gives no ratios)")
     p.add_argument("--cold-one", nargs=2, metavar=("LIB", "CASE"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    unknown = set(args.libs) - set(LIBS)
+    if unknown:
+        raise SystemExit(f"--libs: unknown {', '.join(sorted(unknown))}; choose from {', '.join(LIBS)}")
+    globals()["LIBS"] = args.libs
     if args.cold_one:
         os.environ.setdefault("FASTKDA_BACKEND", "triton")
         _cold_one(*args.cold_one)
