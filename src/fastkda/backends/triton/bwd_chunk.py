@@ -266,13 +266,12 @@ def kda_bwd_gate_chunk_kernel(
     dg, dA_part, dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, NSK: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    PAIR_PREC: tl.constexpr,
 ):
     """Phase C for bounded gates after the whole-chunk stage 1 (gc from the chunk start), one
     feature slice of a chunk: the pair terms of dAqk and dAkk as [C, C] x [C, BS] products level by
     level, and dg as a reverse cumulative sum of dG over the chunk, its pair terms as row sums minus
-    column sums (docs/math.md section 5). dq and dk of this value head (before l2norm) replace dqg
-    and dkd."""
+    column sums (docs/math.md section 5), the products in PREC (PAIR_PREC of the input dtype). dq
+    and dk of this value head (before l2norm) replace dqg and dkd."""
     i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK)
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, C)
@@ -288,11 +287,11 @@ def kda_bwd_gate_chunk_kernel(
     b_dkc = tl.zeros([C, BS], tl.float32)
     if C == 64:
         b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV,
-                                         K, o_c, o_d, 64, PAIR_PREC)
+                                         K, o_c, o_d, 64, PREC)
     b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K,
-                                     o_c, o_d, 32, PAIR_PREC)
+                                     o_c, o_d, 32, PREC)
     b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K,
-                                     o_c, o_d, 16, PAIR_PREC)
+                                     o_c, o_d, 16, PREC)
     # the diagonal of Aqk (factor e^0 = 1) reaches dq and dk only: in dG its two terms cancel exactly
     b_dAii = tl.load(s_dA + i_p * C * C + o_c * (C + 1))  # [C]
     b_dii_q = b_dAii[:, None] * b_k
@@ -542,9 +541,8 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
             dA_part = new_empty(NT, HV, NSC, **f32) if x.A_log is not None else None
             kda_bwd_gate_chunk_kernel[(NT * NSC, HV)](
                 x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
-                dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=BSC, NSK=NSC,
-                PAIR_PREC=PAIR_PREC[x.q.dtype],
-                **gate, **where, **launch_options(LAUNCH, "gate_chunk", BK, BV))
+                dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=BSC, NSK=NSC, **gate,
+                **{**where, "PREC": PAIR_PREC[x.q.dtype]}, **launch_options(LAUNCH, "gate_chunk", BK, BV))
         else:
             dA_part = new_empty(NT, HV, NSK, **f32) if x.A_log is not None else None
             exact = EXACT_PAIRS if EXACT_PAIRS is not None else x.q.dtype == torch.float32
