@@ -39,8 +39,9 @@ from .prepare import SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _put, _
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
 # "v", "k", "gate_chunk" and the two slices below: B1 T8192 H64 safe gate, one training step on the
-# H200 (BENCHMARKS.md: v 2.66 -> 1.56 ms at 4 warps instead of 8; k 0.94 -> 0.87 ms without the cap;
-# gate_chunk 4.22 | 2.99 | 4.55 | 3.91 ms at 16 columns 4 warps | 32, 4 | 32, 8 | 64, 8)
+# H200 (BENCHMARKS.md: v 2.66 -> 1.56 ms at 4 warps instead of 8; k 0.94 -> 0.87 ms without the cap,
+# 1.00 ms since it also stores dAkk transposed; gate_chunk 4.22 | 2.99 | 4.55 | 3.91 ms at 16 columns
+# 4 warps | 32, 4 | 32, 8 | 64, 8)
 LAUNCH = {"v": (4, None), "k": (2, None), "gate_chunk": (4, None), "gate": (2, 128)}
 GATE_CHUNK_SLICE = 32  # feature columns per program of kda_bwd_gate_chunk_kernel
 V_STATE_SLICE = 32  # key columns per state-product program of kda_bwd_v_kernel (1.61 ms at 64)
@@ -246,10 +247,9 @@ def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0
                 K: tl.constexpr, o_c, o_d, S: tl.constexpr, PREC: tl.constexpr):
     """Add level S of the pair terms i > j (anchored as in the forward, prepare._anchored) to dq (rows
     of dAqk), dk through the rows of dAkk (dkr) and dk through the columns of both (dkc). The [C, C]
-    gradients are loaded per level, the level's entries only, each twice: from its lower triangle
-    and, transposed, from its upper one (written there by kda_bwd_v_kernel and kda_bwd_k_kernel:
-    float32 products take both operands K-major, and a transpose in registers here cost 8-way bank
-    conflicts in every slice program). The diagonal of dAqk is left to the caller."""
+    gradients are loaded per level, the level's entries only: as they are from the lower triangle,
+    transposed from the upper one (kda_bwd_v_kernel MIRROR, kda_bwd_k_kernel WHOLE; docs/math.md
+    section 5). The diagonal of dAqk is left to the caller."""
     m, b_r, b_c = _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, 1, S)
     m_t = level_pairs(o_c[None, :], o_c[:, None], 1, S)  # the level's transposed entries: upper triangle
     b_kc = b_k * b_c
@@ -278,7 +278,8 @@ def kda_bwd_gate_chunk_kernel(
     o_d = i_s * BS + tl.arange(0, BS)
     m_d = o_d < K
     rs += i_p * 2 * C
-    o_cc = i_p * C * C + o_c[:, None] * C + o_c[None, :]  # dAqk (times scale, lower) and dAkk (strictly lower)
+    # dAqk (times scale, diagonal and below) and dAkk (strictly below), each transposed above its diagonal
+    o_cc = i_p * C * C + o_c[:, None] * C + o_c[None, :]
     b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)  # [C, BS]
     b_q = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + o_c)[:, None]
     b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + C + o_c)[:, None]
