@@ -137,6 +137,33 @@ def test_whole_chunk_backward(axis, rng, monkeypatch):
 
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_whole_chunk_gradients_mirrored(chunk_size, rng, monkeypatch):
+    """The whole-chunk gate kernel reads dAqk and dAkk transposed from their upper triangles: at its
+    launch, above the diagonal, each [C, C] matrix is exactly the transpose of its part below (every
+    entry written: the buffers start as NaN), and dAkk's diagonal is zero."""
+    from fastkda.backends.triton import bwd_chunk
+
+    kernel, seen = bwd_chunk.kda_bwd_gate_chunk_kernel, []
+
+    class Capture:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((args[10].clone(), args[11].clone()))  # s_dA, s_dL before the kernel runs
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(bwd_chunk, "kda_bwd_gate_chunk_kernel", Capture())
+    grads("triton", grow(Case(T=90, gate="safe", dtype=torch.bfloat16, chunk_size=chunk_size), GPU), rng)
+    (s_dA, s_dL), = seen
+    for name, M in (("dAqk", s_dA), ("dAkk", s_dL)):
+        assert M.shape[-2:] == (chunk_size, chunk_size)
+        assert torch.equal(M.triu(1), M.tril(-1).transpose(-1, -2)), name
+        assert M.tril(-1).abs().sum() > 0, name
+    assert not s_dL.diagonal(dim1=-2, dim2=-1).any()
+
+
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("dtype,exact,whole", [(torch.bfloat16, None, True), (torch.bfloat16, True, False),
                                                (torch.float16, None, False), (torch.float32, None, False)])
 def test_whole_chunk_backward_choice(dtype, exact, whole, rng, monkeypatch):
