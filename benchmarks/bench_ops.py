@@ -92,7 +92,7 @@ def _impls():
             impls["fla"] = fla_chunk_kda
         except Exception as e:  # report, do not hide
             print(f"fla-core not importable: {type(e).__name__}: {e}")
-    return {lib: fn for lib, fn in impls.items() if lib in LIBS}
+    return impls
 
 
 def _reference(x, kw):
@@ -374,12 +374,14 @@ def run(args):
     os.environ.setdefault("FASTKDA_BACKEND", "triton")
 
     res = {"env": environment("cuda"), "copy_tbps": copy_bandwidth(), "suites": {}}
-    try:
-        import fla
+    res["fla_version"] = None  # of the fla-core timed, if any
+    if "fla" in LIBS:
+        try:
+            import fla
 
-        res["fla_version"] = getattr(fla, "__version__", "?") if "fla" in LIBS else None
-    except Exception:
-        res["fla_version"] = None
+            res["fla_version"] = getattr(fla, "__version__", "?")
+        except Exception:
+            pass
     res["triton"] = triton.__version__
     print(f"copy bandwidth {res['copy_tbps']:.2f} TB/s")
     pick = (lambda cases: [c for c in cases if any(w in c[0] for w in args.cases)]) if args.cases else (lambda c: c)

@@ -206,9 +206,8 @@ def recurrent_forward(opts, x):
             q, k, v, g, beta, x.A_log, x.dt_bias, o, h0, ht, x.cu_seqlens, idx, acc, err,
             scale=opts.scale, T=T, num_slots=num_slots, stride_idx=idx.stride(0) if idx is not None else 0, COLS=cols,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **gate_launch(opts, x.A_log, x.dt_bias), L2NORM=opts.qk_l2norm,
-            SIGMOID=opts.beta_sigmoid,
-            BETA_SCALE=opts.beta_scale, USE_H0=h0 is not None, STORE_HT=ht is not None, POOL=opts.pool,
-            SPEC=opts.spec_decode, INPLACE=opts.inplace_final_state, V_FIRST=opts.state_v_first,
+            SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, USE_H0=h0 is not None, STORE_HT=ht is not None,
+            POOL=opts.pool, SPEC=opts.spec_decode, INPLACE=opts.inplace_final_state, V_FIRST=opts.state_v_first,
             IS_VARLEN=x.cu_seqlens is not None, num_warps=warps,
         )
     if raises:
