@@ -35,13 +35,13 @@ from ...testing import new_empty
 from .common import (block_lower, cdiv, chunk_program, exclusive_cumsum, gate_backward, gate_launch, launch_options,
                      pow2, row_of)
 from .scan import _state_ptrs
-from .prepare import SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _put, _tile, _x, level_pairs
+from .prepare import SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _put, _tile, _x, level_pairs, split_level
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
 # "v", "k", "gate_chunk" and the two slices below: B1 T8192 H64 safe gate, one training step on the
 # H200 (BENCHMARKS.md: v 2.66 -> 1.56 ms at 4 warps instead of 8; k 0.94 -> 0.87 ms without the cap,
 # 1.00 ms since it also stores dAkk transposed; gate_chunk 4.22 | 2.99 | 4.55 | 3.91 ms at 16 columns
-# 4 warps | 32, 4 | 32, 8 | 64, 8)
+# 4 warps | 32, 4 | 32, 8 | 64, 8); "gate": B1 T8192 H64 softplus, 9.59 ms against 9.89 ms at 4 warps
 LAUNCH = {"v": (4, None), "k": (2, None), "gate_chunk": (4, None), "gate": (2, 128)}
 GATE_CHUNK_SLICE = 32  # feature columns per program of kda_bwd_gate_chunk_kernel
 V_STATE_SLICE = 32  # key columns per state-product program of kda_bwd_v_kernel (1.61 ms at 64)
@@ -319,6 +319,18 @@ def kda_bwd_gate_chunk_kernel(
         tl.store(dA_part + i_p * NSK + i_s, tl.sum(b_sA, 0))
 
 
+@triton.jit
+def _diag_products(b_dq, b_dkr, b_dkc, b_dA, b_dK, b_q, b_k, b_r, b_f, PREC: tl.constexpr):
+    """Add the pair terms of a diagonal block's gradients dAqk (b_dA) and dAkk (b_dK), kept on the
+    pairs of one anchor whose row factors are b_r and column factors b_f, to dq (rows of dAqk), dk
+    through the rows of dAkk (dkr) and dk through the columns of both (dkc)."""
+    b_kf = b_k * b_f
+    b_dq += b_r * _mm(b_dA, b_kf, PREC)
+    b_dkr += b_r * _mm(b_dK, b_kf, PREC)
+    b_dkc += b_f * (_mm(tl.trans(b_dA), b_q * b_r, PREC) + _mm(tl.trans(b_dK), b_k * b_r, PREC))
+    return b_dq, b_dkr, b_dkc
+
+
 @triton.jit(do_not_specialize=["T"])
 def kda_bwd_gate_kernel(
     q, k, g, A_log, dt_bias, gc, ga, rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam, s_yb, s_B,
@@ -380,13 +392,15 @@ def kda_bwd_gate_kernel(
             b_cm = row_of(b_c, o_i, 8)
             b_up = tl.exp2(b_c - b_cm[None, :])
             b_dn = tl.exp2(b_cm[None, :] - b_c)
-            b_dq += b_up * _mm(b_dAd, b_k * b_dn, DIAG_PREC)
-            b_dkr += b_up * _mm(b_dKd, b_k * b_dn, DIAG_PREC)
-            b_dkc += b_dn * (_mm(tl.trans(b_dAd), b_q * b_up, DIAG_PREC) + _mm(tl.trans(b_dKd), b_k * b_up, DIAG_PREC))
-        else:
-            b_g = tl.load(ga + (bos + tr + o_i).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :],
-                          mask=((tr + o_i) < T_seq)[:, None] & m_d[None, :], other=0.0)
-        if EXACT or not SAFE:
+            b_dq, b_dkr, b_dkc = _diag_products(b_dq, b_dkr, b_dkc, b_dAd, b_dKd, b_q, b_k, b_up, b_dn, DIAG_PREC)
+        else:  # any gate: the forward's four levels, each anchored where both factors are <= 1
+            b_g = _tile(ga, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+            b_gn = _tile(ga, bos, tr + 1, T_seq, i_hv, HV, K, o_i, o_d)  # the next token's gates
+            for lvl in tl.static_range(4):
+                m, b_r, b_f = split_level(b_g, b_gn, o_i, 8 >> lvl)
+                b_dq, b_dkr, b_dkc = _diag_products(b_dq, b_dkr, b_dkc, tl.where(m, b_dAd, 0.0), tl.where(m, b_dKd, 0.0),
+                                                    b_q, b_k, b_r, b_f, DIAG_PREC)
+        if EXACT:
             for j in range(15):  # column j: the pair terms of rows i > j, token-parallel
                 if SAFE:
                     b_e = tl.where(o_i[:, None] > j, b_up * row_of(b_dn, o_i, j)[None, :], 0.0)
@@ -394,16 +408,8 @@ def kda_bwd_gate_kernel(
                     b_e = tl.exp2(tl.where(o_i[:, None] > j, tl.cumsum(tl.where(o_i[:, None] > j, b_g, 0.0), 0),
                                            float("-inf")))  # [16, BS]: e^(G_i - G_j), rows i > j
                 b_kj = row_of(b_k, o_i, j)
-                b_aj = _col_of(b_dAd, o_i, j)
-                b_lj = _col_of(b_dKd, o_i, j)
-                if EXACT:
-                    b_T = (b_aj[:, None] * b_q + b_lj[:, None] * b_k) * b_kj[None, :] * b_e  # [16, BS]
-                    b_dgx += tl.where(o_i[:, None] > j, tl.cumsum(b_T, 0, reverse=True), 0.0)
-                if not SAFE:
-                    b_dq += b_aj[:, None] * b_kj[None, :] * b_e
-                    b_dkr += b_lj[:, None] * b_kj[None, :] * b_e
-                    b_dkc += tl.where(o_i[:, None] == j,
-                                      tl.sum((b_aj[:, None] * b_q + b_lj[:, None] * b_k) * b_e, 0)[None, :], 0.0)
+                b_T = (_col_of(b_dAd, o_i, j)[:, None] * b_q + _col_of(b_dKd, o_i, j)[:, None] * b_k) * b_kj[None, :] * b_e
+                b_dgx += tl.where(o_i[:, None] > j, tl.cumsum(b_T, 0, reverse=True), 0.0)
         if not EXACT:
             # the same sum as row sums minus column sums of the block's pair terms, reverse-summed
             # (pairs with both tokens >= t cancel): for 16-bit inputs, whose error budget hides

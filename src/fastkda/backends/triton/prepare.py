@@ -57,10 +57,10 @@ from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tabl
 # at least 4 warps. "chunk" is the whole-chunk intra kernel (4 warps, 64-column steps: 0.74 ms at
 # B1 T8192 H64 on the H200; 8 warps or 16-, 32-column steps were slower)
 # "inverse" at 1 warp and "intra" capped at 128 registers: B1 T8192 H64 on the H200, one training
-# step (0.21 -> 0.18 ms per call; softplus intra 2.83 -> 2.57 ms per call)
+# step (0.21 -> 0.18 ms per call; softplus intra 2.83 -> 2.57 ms per call; 2.29 ms since the
+# diagonal blocks' levels, against 4.13 ms at 4 warps without the cap)
 LAUNCH = {"gates": (4, None), "intra": (2, 128), "chunk": (4, None), "inverse": (1, None), "wu": (8, None)}
 SLICE = 32  # feature columns per tile
-DIAG_SLICE = 8  # feature columns per step of the token-parallel diagonal blocks (unbounded gates)
 CHUNK_SLICE = 64  # feature columns per step of the whole-chunk intra kernel
 WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_launch.py --set)
 
@@ -178,9 +178,34 @@ def _beta(beta, bos, t0, T_seq, i_hv, o_i, HV: tl.constexpr, SIGMOID: tl.constex
 
 
 @triton.jit
+def half_pairs(i, j, S: tl.constexpr):
+    """Mask of the pairs (i, j) with i in the second half and j in the first half of the same
+    S-token segment."""
+    return ((i // S) == (j // S)) & (i % S >= S // 2) & (j % S < S // 2)
+
+
+@triton.jit
+def split_level(b_g, b_gn, o_i, H: tl.constexpr):
+    """Level H of a 16-token block's pairs for any gate (docs/math.md section 3): rows in the second
+    half of a 2H-token segment against columns in its first half, anchored at the first half's last
+    token a. Returns (the level's mask [16, 16], row factors e^(gates a+1..i), column factors
+    e^(gates j+1..a), [16, BS]); b_g holds the block's activated gates, b_gn the next token's.
+    Every exponent is a segment-local sum of the gates it spans, never a difference of two sums,
+    and is <= 0 on every row (the rows and columns outside the level are discarded)."""
+    BS: tl.constexpr = b_g.shape[1]
+    m = half_pairs(o_i[:, None], o_i[None, :], 2 * H)
+    if H == 1:  # row 2m+1 against column 2m: e^(g_i) and 1
+        return m, tl.exp2(b_g), tl.full([16, BS], 1.0, tl.float32)
+    b_f = tl.reshape(tl.cumsum(tl.reshape(b_g, [16 // H, H, BS]), 1), [16, BS])  # gates from the segment start
+    b_n = tl.where((o_i % H < H - 1)[:, None], b_gn, 0.0)  # the gates after each token, within its H-segment
+    b_b = tl.reshape(tl.cumsum(tl.reshape(b_n, [16 // H, H, BS]), 1, reverse=True), [16, BS])
+    return m, tl.exp2(b_f), tl.exp2(b_b)
+
+
+@triton.jit
 def _diag(q, k, gc, ga, rs, qg, kd, bos, t0, T_seq, i_h, i_hv, scale, o_i, R, NC: tl.constexpr, C: tl.constexpr,
           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-          SAFE: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, DS: tl.constexpr):
+          SAFE: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
     """Block R of the chunk: stores q e^G and k e^(G_last - G); returns its diagonal Aqk (j <= i)
     and Akk (j < i) blocks, unscaled."""
     tr = t0 + 16 * R
@@ -206,19 +231,15 @@ def _diag(q, k, gc, ga, rs, qg, kd, bos, t0, T_seq, i_h, i_hv, scale, o_i, R, NC
             b_Aqk += tl.dot(b_q * b_up, b_col, input_precision=PREC)
             b_Akk += tl.dot(b_k * b_up, b_col, input_precision=PREC)
         else:
-            # unbounded gates: entry (i, j) takes exp2 of the gates of tokens j+1..i summed directly,
-            # every (i, j) at once, DS feature columns at a time: [16 (i), 16 (j), DS]
-            m_after = (o_i[:, None] > o_i[None, :])[:, :, None]  # token t (axis 0) after j (axis 1)
-            m_lower = (o_i[:, None] >= o_i[None, :])[:, :, None]
-            for s2 in range(0, BS, DS):
-                o_e = s + s2 + tl.arange(0, DS)
-                b_qe = _tile(q, bos, tr, T_seq, i_h, H, K, o_i, o_e) * b_rq[:, None]
-                b_ke = _tile(k, bos, tr, T_seq, i_h, H, K, o_i, o_e) * b_rk[:, None]
-                b_ge = _tile(ga, bos, tr, T_seq, i_hv, HV, K, o_i, o_e)
-                b_E = tl.cumsum(tl.where(m_after, b_ge[:, None, :], 0.0), 0)  # sum over j < t <= i
-                b_e = tl.exp2(tl.where(m_lower, b_E, float("-inf")))
-                b_Aqk += tl.sum(b_qe[:, None, :] * b_ke[None, :, :] * b_e, 2)
-                b_Akk += tl.sum(b_ke[:, None, :] * b_ke[None, :, :] * b_e, 2)
+            # unbounded gates: four levels of pairs, each anchored where both factors are <= 1
+            b_g = _tile(ga, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+            b_gn = _tile(ga, bos, tr + 1, T_seq, i_hv, HV, K, o_i, o_d)  # the next token's gates
+            for lvl in tl.static_range(4):
+                m, b_r, b_f = split_level(b_g, b_gn, o_i, 8 >> lvl)
+                b_col = tl.trans(b_k * b_f)
+                b_Aqk += tl.where(m, tl.dot(b_q * b_r, b_col, input_precision=PREC), 0.0)
+                b_Akk += tl.where(m, tl.dot(b_k * b_r, b_col, input_precision=PREC), 0.0)
+            b_Aqk += tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)  # factor 1
     b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk, 0.0)
     b_Akk = tl.where(o_i[:, None] > o_i[None, :], b_Akk, 0.0)
     return b_Aqk, b_Akk
@@ -252,12 +273,9 @@ def _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, J, C: tl.constexp
 @triton.jit
 def level_pairs(i, j, strict, S: tl.constexpr):
     """Mask of the pairs (i, j) of level S (see _anchored); level_pairs(j, i, ..) is its transpose."""
-    m = (i // S) == (j // S)
     if S == 16:
-        m = m & (j <= i - strict)
-    else:
-        m = m & (i % S >= S // 2) & (j % S < S // 2)
-    return m
+        return ((i // S) == (j // S)) & (j <= i - strict)
+    return half_pairs(i, j, S)
 
 
 @triton.jit
@@ -390,7 +408,7 @@ def kda_fwd_gates_kernel(
 def kda_fwd_intra_kernel(
     q, k, gc, ga, rs, qg, kd, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    SAFE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DS: tl.constexpr,
+    SAFE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Row block r of a chunk: Aqk (stored times scale) and Akk (to the scratch ls, which the
     backward reads too) against blocks j <= r; q e^G and k e^(G_last - G) of its rows."""
@@ -402,7 +420,7 @@ def kda_fwd_intra_kernel(
     ls += i_p * C * C
     rs += i_p * 2 * C
     b_Aqk, b_Akk = _diag(q, k, gc, ga, rs, qg, kd, bos, t0, T_seq, i_h, i_hv, scale, o_i, r, NC, C, H, HV, K, BK, BS, SAFE,
-                         L2NORM, PREC, DS)
+                         L2NORM, PREC)
     _put(Aqk + 16 * r, b_Aqk * scale, bos, tr, T_seq, i_hv, HV, C, o_i, o_i)
     _put_blk(ls, b_Akk, 16 * r, 16 * r, C, o_i)
     for j in range(r):
@@ -558,7 +576,7 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, who
         else:
             kda_fwd_intra_kernel[(NT_total * NC, HV)](
                 q, k, gc, ga, rs, qg, kd, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate,
-                L2NORM=opts.qk_l2norm, PREC=PREC, DS=min(DIAG_SLICE, BS), **where,
+                L2NORM=opts.qk_l2norm, PREC=PREC, **where,
                 **launch_options(LAUNCH, "intra", BK, BK))
         kda_fwd_inverse_kernel[(NT_total, HV)](
             beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, GL=not whole, **beta_kw, **where,
