@@ -5,7 +5,8 @@ import math
 import torch
 from hypothesis import strategies as st
 
-from fastkda.testing import AXES, GATES, Case, gate_param_scales, grow, param_error, rel_rms, tolerance  # noqa: F401
+from fastkda.testing import (AXES, GATES, Case, gate_input_error, gate_param_scales, gate_slope, grow,  # noqa: F401
+                             param_error, rel_rms, tolerance)
 
 # the option space of SPEC section 6 as hypothesis strategies (feature sizes chosen per test)
 OPTION_SPACE = dict(
@@ -39,9 +40,11 @@ def check(name: str, actual, ref, tol: float):
 
 
 def check_grads(got: dict, want: dict, x: dict, tol: float):
-    """Every gradient against the reference: relative RMS, and for dA_log / ddt_bias the error
-    relative to the magnitude of their terms (gate_param_scales, param_error)."""
+    """Every gradient against the reference: relative RMS; for dA_log / ddt_bias the error relative
+    to the magnitude of their terms (gate_param_scales, param_error); for the raw gate input of an
+    in-kernel activation the error in units of the activated gate's gradient (gate_input_error)."""
     scales = gate_param_scales(x, want.get("g"))
+    slope = gate_slope(x)
     for name, ref in want.items():
         if ref is None:  # the input plays no part (e.g. lower_bound only)
             assert got[name] is None or not got[name].any(), name
@@ -50,6 +53,9 @@ def check_grads(got: dict, want: dict, x: dict, tol: float):
         if name in scales:
             err = param_error(got[name], ref, scales[name])
             assert err <= tol, f"d{name}: error {err:.3g} of the summed term magnitudes > {tol:.3g}"
+        elif name == "g" and slope is not None:
+            err = gate_input_error(got[name], ref, slope)
+            assert err <= tol, f"dg: error {err:.3g} in units of the activated gate's gradient > {tol:.3g}"
         else:
             check(f"d{name}", got[name], ref, tol)
 
@@ -97,5 +103,5 @@ def finite(t):
     return t is not None and bool(torch.isfinite(t).all())
 
 
-__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "tol_for", "bounded", "plain_options", "spy_launches", "finite",
+__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "gate_slope", "gate_input_error", "tol_for", "bounded", "plain_options", "spy_launches", "finite",
            "math"]

@@ -13,7 +13,8 @@ import torch
 from . import platform
 from .api import chunk_kda, explain, fused_recurrent_kda
 from .backends import use_backend
-from .testing import AXES, Case, gate_param_scales, grow, make_inputs, param_error, reference, rel_rms, tolerance
+from .testing import (AXES, Case, gate_input_error, gate_param_scales, gate_slope, grow, make_inputs, param_error,
+                      reference, rel_rms, tolerance)
 
 GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
@@ -38,9 +39,11 @@ def _check_case(name: str, case: Case, device: str, backward: bool, seed: int):
         names = [n for n in GRAD_INPUTS if isinstance(x.get(n), torch.Tensor)]
         got = torch.autograd.grad(loss, leaves, allow_unused=True)
         want = torch.autograd.grad(loss_r, leaves, allow_unused=True)
-        # dA_log, ddt_bias: sums whose terms cancel, judged against the magnitude of their terms
-        scales = gate_param_scales(x, want[names.index("g")])
-        err = max(0.0 if b is None else param_error(a, b, scales[n]) if n in scales else rel_rms(a, b)
+        # dA_log, ddt_bias: sums whose terms cancel, judged against the magnitude of their terms; dg of
+        # an in-kernel activation in units of the activated gate's gradient (fastkda.testing)
+        scales, slope = gate_param_scales(x, want[names.index("g")]), gate_slope(x)
+        err = max(0.0 if b is None else param_error(a, b, scales[n]) if n in scales
+                  else gate_input_error(a, b, slope) if n == "g" and slope is not None else rel_rms(a, b)
                   for n, a, b in zip(names, got, want))
         rows.append(("chunk_kda bwd", name, backend, err, tol))
     with torch.no_grad():

@@ -18,7 +18,7 @@ from .naive import naive_chunk_kda, naive_recurrent_kda
 
 __all__ = [
     "Case", "AXES", "grow", "make_inputs", "reference", "rel_rms", "poisoned", "new_empty", "TOLERANCE", "tolerance",
-    "gate_param_scales", "param_error",
+    "gate_param_scales", "param_error", "gate_slope", "gate_input_error",
 ]
 
 # ----------------------------------------------------------------------------------------------
@@ -273,26 +273,70 @@ def reference(inputs: dict, chunked: bool | None = None, chunk_size: int = 64, *
 
 
 def gate_param_scales(x: dict, dg_raw):
-    """Sum of |contribution| of every token and channel to dA_log [HV] and ddt_bias [HV*K], from the
-    float64 gradient of the raw gate input. These gradients are sums over all tokens whose terms
-    largely cancel, so their honest error measure is relative to the sum of the magnitudes of the
-    terms (each term carries its own rounding), not to the (small) result."""
+    """Sum of the error scales of every token's and channel's contribution to dA_log [HV] and
+    ddt_bias [HV*K], from the float64 gradient of the raw gate input. These gradients are sums over
+    all tokens whose terms largely cancel, so their honest error measure is relative to the sum of
+    the magnitudes of the terms (each term carries its own rounding), not to the (small) result.
+    A term is slope * dgate (times a factor of A_log's chain rule), and a kernel's rounding of dgate
+    is of the size of dgate's typical magnitude D (the RMS of ref / slope over the elements a float32
+    slope can represent, gate_input_error), not of the value at that token, which may be a small
+    remainder of cancelling terms: the magnitude of a term is taken as |slope| D."""
     if not x.get("use_gate_in_kernel") or dg_raw is None:
         return {}
     g = x["g"].detach().double()
     HV, K = g.shape[-2:]
     xg = g + (x["dt_bias"].detach().double().view(HV, K) if x.get("dt_bias") is not None else 0)
-    dx = dg_raw.detach().double()
+    slope = gate_slope(x)
+    live = slope.abs() > 2.0**-100
+    D = (dg_raw.detach().double()[live] / slope[live]).norm() / max(int(live.sum()), 1) ** 0.5
+    dx = slope.abs() * D  # the error scale of every term of dg
     red = tuple(range(dx.dim() - 2))
-    out = {"dt_bias": dx.abs().sum(red).reshape(-1)}
+    out = {"dt_bias": dx.sum(red).reshape(-1)}
     if x.get("lower_bound") is not None:  # dA_log = sum dx * x
-        out["A_log"] = (dx * xg).abs().sum(red).sum(-1)
+        out["A_log"] = (dx * xg.abs()).sum(red).sum(-1)
     else:  # softplus: dA_log = sum dg * y = sum dx * softplus(x) / sigmoid(x)
         ratio = torch.nn.functional.softplus(xg) / torch.sigmoid(xg)
-        out["A_log"] = (dx * ratio).abs().sum(red).sum(-1)
+        out["A_log"] = (dx * ratio).sum(red).sum(-1)
     return out
 
 
 def param_error(got, ref, scale) -> float:
     """Norm of the error of a gate-parameter gradient over the norm of its term magnitudes."""
     return ((got.double() - ref.double()).norm() / scale.norm().clamp_min(1e-300)).item()
+
+
+def gate_slope(x: dict):
+    """The float64 derivative of the in-kernel gate activation with respect to its raw input g,
+    elementwise ([..., HV, K]); None when the gate is not activated in the kernel."""
+    if not x.get("use_gate_in_kernel"):
+        return None
+    from .naive import naive_kda_gate, naive_kda_lowerbound_gate
+
+    g = x["g"].detach().double().requires_grad_(True)
+    A_log, dt_bias = (None if x.get(n) is None else x[n].detach().double() for n in ("A_log", "dt_bias"))
+    with torch.enable_grad():
+        if x.get("lower_bound") is None:
+            act = naive_kda_gate(g, A_log, dt_bias, torch.float64)
+        else:
+            act = naive_kda_lowerbound_gate(g, A_log, dt_bias, x["lower_bound"], torch.float64)
+        (slope,) = torch.autograd.grad(act.sum(), g)  # elementwise: the gradient of the sum is the slope
+    return slope
+
+
+def gate_input_error(got, ref, slope) -> float:
+    """Error of the gradient of the raw gate input g, judged as the error of the gradient of the
+    activated gate that it carries (dg = slope * dgate, elementwise): RMS((got - ref) / slope) over
+    RMS(ref / slope), on the elements whose slope a float32 kernel can represent (|slope| > 2^-100;
+    elsewhere the gradient is below 2^-100 |dgate| and counts only if not finite). With exp(A_log)
+    spanning decades, the slopes weight a few elements so heavily that the relative RMS of dg
+    becomes the relative error of those few, which is ill-conditioned wherever the terms of their
+    dgate cancel; in units of dgate every element counts alike, and a wrong slope still shows as an
+    error of the size of dgate."""
+    got, ref, slope = got.double(), ref.double(), slope.double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    live = slope.abs() > 2.0**-100
+    if not live.any():
+        return 0.0
+    dgate = ref[live] / slope[live]
+    return ((got[live] - ref[live]) / slope[live]).norm().item() / dgate.norm().clamp_min(1e-300).item()
