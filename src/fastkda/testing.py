@@ -278,8 +278,8 @@ def gate_param_scales(x: dict, dg_raw):
     all tokens whose terms largely cancel, so their honest error measure is relative to the sum of
     the magnitudes of the terms (each term carries its own rounding), not to the (small) result.
     A term is slope * dgate (times a factor of A_log's chain rule), and a kernel's rounding of dgate
-    is of the size of dgate's typical magnitude D (the RMS of ref / slope over the elements a float32
-    slope can represent, gate_input_error), not of the value at that token, which may be a small
+    is of the size of dgate's typical magnitude D in that head (the RMS of ref / slope where
+    |slope| > 2^-100, as in gate_input_error), not of the value at that token, which may be a small
     remainder of cancelling terms: the magnitude of a term is taken as |slope| D."""
     if not x.get("use_gate_in_kernel") or dg_raw is None:
         return {}
@@ -288,9 +288,10 @@ def gate_param_scales(x: dict, dg_raw):
     xg = g + (x["dt_bias"].detach().double().view(HV, K) if x.get("dt_bias") is not None else 0)
     slope = gate_slope(x)
     live = slope.abs() > 2.0**-100
-    D = (dg_raw.detach().double()[live] / slope[live]).norm() / max(int(live.sum()), 1) ** 0.5
-    dx = slope.abs() * D  # the error scale of every term of dg
-    red = tuple(range(dx.dim() - 2))
+    dgate = torch.where(live, dg_raw.detach().double() / torch.where(live, slope, 1.0), 0.0)
+    red = tuple(range(slope.dim() - 2))
+    D = ((dgate**2).sum(red).sum(-1) / live.sum(red).sum(-1).clamp_min(1)).sqrt()  # per head   [HV]
+    dx = slope.abs() * D[:, None]  # the error scale of every term of dg
     out = {"dt_bias": dx.sum(red).reshape(-1)}
     if x.get("lower_bound") is not None:  # dA_log = sum dx * x
         out["A_log"] = (dx * xg.abs()).sum(red).sum(-1)
@@ -326,17 +327,21 @@ def gate_slope(x: dict):
 def gate_input_error(got, ref, slope) -> float:
     """Error of the gradient of the raw gate input g, judged as the error of the gradient of the
     activated gate that it carries (dg = slope * dgate, elementwise): RMS((got - ref) / slope) over
-    RMS(ref / slope), on the elements whose slope a float32 kernel can represent (|slope| > 2^-100;
-    elsewhere the gradient is below 2^-100 |dgate| and counts only if not finite). With exp(A_log)
-    spanning decades, the slopes weight a few elements so heavily that the relative RMS of dg
-    becomes the relative error of those few, which is ill-conditioned wherever the terms of their
-    dgate cancel; in units of dgate every element counts alike, and a wrong slope still shows as an
-    error of the size of dgate."""
+    RMS(ref / slope), on the elements with |slope| > 2^-100 (far above float32's smallest normal
+    2^-126: a margin for a kernel's rounding of a tiny slope). Elsewhere dg is below 2^-100 |dgate|,
+    and an error there above 2^-90 RMS(dgate), or one not finite, counts as infinite. With
+    exp(A_log) spanning decades, the slopes weight a few elements so heavily that the relative RMS
+    of dg becomes the relative error of those few, which is ill-conditioned wherever the terms of
+    their dgate cancel; in units of dgate every element counts alike, and a wrong slope still shows
+    as an error of the size of dgate."""
     got, ref, slope = got.double(), ref.double(), slope.double()
     if not torch.isfinite(got).all():
         return float("inf")
     live = slope.abs() > 2.0**-100
     if not live.any():
-        return 0.0
+        return 0.0 if (got - ref).abs().max() <= 2.0**-90 else float("inf")
     dgate = ref[live] / slope[live]
+    d_rms = dgate.norm().item() / dgate.numel() ** 0.5
+    if (~live).any() and (got - ref)[~live].abs().max().item() > 2.0**-90 * d_rms:
+        return float("inf")
     return ((got[live] - ref[live]) / slope[live]).norm().item() / dgate.norm().clamp_min(1e-300).item()

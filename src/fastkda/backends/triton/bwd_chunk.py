@@ -51,7 +51,8 @@ V_STATE_SLICE = 32  # key columns per state-product program of kda_bwd_v_kernel 
 # budget, not float32's); None: exactly for float32 inputs only. Without the exact sum the
 # diagonal blocks' products run as tf32x3 (float32 accuracy), since one tf32 rounding of a pair
 # term would leave a thousandfold larger residue than float32's (the whole-chunk kernel accepts
-# tf32's for bfloat16, measured within its budget: PAIR_PREC below).
+# tf32's for bfloat16, measured within its budget: PAIR_PREC below). With the exact sum, dq and dk
+# of the diagonal blocks take the input dtype's products (tf32 for 16-bit inputs), as elsewhere.
 EXACT_PAIRS = None
 # Bounded gates (safe_gate) with bfloat16 inputs take the whole-chunk path end to end: stage 1
 # (also when the backward recomputes or keeps it) and kda_bwd_gate_chunk_kernel, which sums every
