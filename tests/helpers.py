@@ -43,8 +43,8 @@ def check_grads(got: dict, want: dict, x: dict, tol: float):
     """Every gradient against the reference: relative RMS; for dA_log / ddt_bias the error relative
     to the magnitude of their terms (gate_param_scales, param_error); for the raw gate input of an
     in-kernel activation the error in units of the activated gate's gradient (gate_input_error)."""
-    scales = gate_param_scales(x, want.get("g"))
     slope = gate_slope(x)
+    scales = gate_param_scales(x, want.get("g"), slope)
     for name, ref in want.items():
         if ref is None:  # the input plays no part (e.g. lower_bound only)
             assert got[name] is None or not got[name].any(), name

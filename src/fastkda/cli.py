@@ -41,7 +41,8 @@ def _check_case(name: str, case: Case, device: str, backward: bool, seed: int):
         want = torch.autograd.grad(loss_r, leaves, allow_unused=True)
         # dA_log, ddt_bias: sums whose terms cancel, judged against the magnitude of their terms; dg of
         # an in-kernel activation in units of the activated gate's gradient (fastkda.testing)
-        scales, slope = gate_param_scales(x, want[names.index("g")]), gate_slope(x)
+        slope = gate_slope(x)
+        scales = gate_param_scales(x, want[names.index("g")], slope)
         err = max(0.0 if b is None else param_error(a, b, scales[n]) if n in scales
                   else gate_input_error(a, b, slope) if n == "g" and slope is not None else rel_rms(a, b)
                   for n, a, b in zip(names, got, want))

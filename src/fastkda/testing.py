@@ -272,7 +272,7 @@ def reference(inputs: dict, chunked: bool | None = None, chunk_size: int = 64, *
     return naive_recurrent_kda(*args, **kw, **extra)
 
 
-def gate_param_scales(x: dict, dg_raw):
+def gate_param_scales(x: dict, dg_raw, slope=None):
     """Sum of the error scales of every token's and channel's contribution to dA_log [HV] and
     ddt_bias [HV*K], from the float64 gradient of the raw gate input. These gradients are sums over
     all tokens whose terms largely cancel, so their honest error measure is relative to the sum of
@@ -280,15 +280,15 @@ def gate_param_scales(x: dict, dg_raw):
     A term is slope * dgate (times a factor of A_log's chain rule), and a kernel's rounding of dgate
     is of the size of dgate's typical magnitude D in that head (the RMS of ref / slope where
     |slope| > 2^-100, as in gate_input_error), not of the value at that token, which may be a small
-    remainder of cancelling terms: the magnitude of a term is taken as |slope| D."""
+    remainder of cancelling terms: the magnitude of a term is taken as |slope| D. ``slope``:
+    gate_slope(x), if the caller has it."""
     if not x.get("use_gate_in_kernel") or dg_raw is None:
         return {}
     g = x["g"].detach().double()
     HV, K = g.shape[-2:]
     xg = g + (x["dt_bias"].detach().double().view(HV, K) if x.get("dt_bias") is not None else 0)
-    slope = gate_slope(x)
-    live = slope.abs() > 2.0**-100
-    dgate = torch.where(live, dg_raw.detach().double() / torch.where(live, slope, 1.0), 0.0)
+    slope = gate_slope(x) if slope is None else slope
+    live, dgate = _dgate(dg_raw, slope)
     red = tuple(range(slope.dim() - 2))
     D = ((dgate**2).sum(red).sum(-1) / live.sum(red).sum(-1).clamp_min(1)).sqrt()  # per head   [HV]
     dx = slope.abs() * D[:, None]  # the error scale of every term of dg
@@ -304,6 +304,15 @@ def gate_param_scales(x: dict, dg_raw):
 def param_error(got, ref, scale) -> float:
     """Norm of the error of a gate-parameter gradient over the norm of its term magnitudes."""
     return ((got.double() - ref.double()).norm() / scale.norm().clamp_min(1e-300)).item()
+
+
+SLOPE_FLOOR = 2.0**-100  # slopes at or below it count as negligible (a margin above float32's 2^-126)
+
+
+def _dgate(dg_raw, slope):
+    """(mask of the elements with |slope| > SLOPE_FLOOR, dg_raw / slope there and 0 elsewhere), float64."""
+    live = slope.abs() > SLOPE_FLOOR
+    return live, torch.where(live, dg_raw.detach().double() / torch.where(live, slope, 1.0), 0.0)
 
 
 def gate_slope(x: dict):
@@ -337,10 +346,10 @@ def gate_input_error(got, ref, slope) -> float:
     got, ref, slope = got.double(), ref.double(), slope.double()
     if not torch.isfinite(got).all():
         return float("inf")
-    live = slope.abs() > 2.0**-100
+    live, dgate = _dgate(ref, slope)
     if not live.any():
         return 0.0 if (got - ref).abs().max() <= 2.0**-90 else float("inf")
-    dgate = ref[live] / slope[live]
+    dgate = dgate[live]
     d_rms = dgate.norm().item() / dgate.numel() ** 0.5
     if (~live).any() and (got - ref)[~live].abs().max().item() > 2.0**-90 * d_rms:
         return float("inf")
