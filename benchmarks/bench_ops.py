@@ -81,18 +81,29 @@ def copy_bandwidth():
 LIBS = ("fastkda", "fla")  # the libraries timed (--libs)
 
 
+def _fla_op(name):
+    """fla.ops.kda.<name> when fla-core is timed (--libs) and importable, else None (reported)."""
+    if "fla" not in LIBS:
+        return None
+    try:
+        from fla.ops import kda
+
+        return getattr(kda, name)
+    except Exception as e:  # report, do not hide
+        print(f"fla-core not importable: {type(e).__name__}: {e}")
+        return None
+
+
+def _with_fla(impls: dict, name: str) -> dict:
+    """impls plus fla-core's operator ``name`` under "fla" when it is timed."""
+    op = _fla_op(name)
+    return impls if op is None else {**impls, "fla": op}
+
+
 def _impls():
     import fastkda
 
-    impls = {"fastkda": fastkda.chunk_kda}
-    if "fla" in LIBS:
-        try:
-            from fla.ops.kda import chunk_kda as fla_chunk_kda
-
-            impls["fla"] = fla_chunk_kda
-        except Exception as e:  # report, do not hide
-            print(f"fla-core not importable: {type(e).__name__}: {e}")
-    return impls
+    return _with_fla({"fastkda": fastkda.chunk_kda}, "chunk_kda")
 
 
 def _reference(x, kw):
@@ -307,14 +318,7 @@ def bench_decode(cases):
     import fastkda
     from fastkda.backends.triton import recurrent
 
-    impls = {"fastkda": fastkda.fused_recurrent_kda}
-    if "fla" in LIBS:
-        try:
-            from fla.ops.kda import fused_recurrent_kda as fla_rec
-
-            impls["fla"] = fla_rec
-        except Exception as e:
-            print(f"fla-core not importable: {e}")
+    impls = _with_fla({"fastkda": fastkda.fused_recurrent_kda}, "fused_recurrent_kda")
     rows, K = [], 128
     for N, H, HV in cases:
         x, kw, pool, slots = _decode_inputs(N, H, HV, K)
@@ -375,13 +379,10 @@ def run(args):
 
     res = {"env": environment("cuda"), "copy_tbps": copy_bandwidth(), "suites": {}}
     res["fla_version"] = None  # of the fla-core timed, if any
-    if "fla" in LIBS:
-        try:
-            import fla
+    if _fla_op("chunk_kda") is not None:
+        import fla
 
-            res["fla_version"] = getattr(fla, "__version__", "?")
-        except Exception:
-            pass
+        res["fla_version"] = getattr(fla, "__version__", "?")
     res["triton"] = triton.__version__
     print(f"copy bandwidth {res['copy_tbps']:.2f} TB/s")
     pick = (lambda cases: [c for c in cases if any(w in c[0] for w in args.cases)]) if args.cases else (lambda c: c)
