@@ -68,6 +68,47 @@ def test_disable_recompute_same_gradients(backend, name, rng):
         check(f"d{name}", g2[name], g1[name], 1e-6)
 
 
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("name,disable_recompute", [*((n, False) for n in RECOMPUTE_CASES),
+                                                     ("bf16_whole", True), ("softplus_varlen", True)])
+def test_triton_recompute_launches(name, disable_recompute, rng, monkeypatch):
+    """What one training step launches: stage 1's gates, intra and inverse once (the forward keeps
+    them); its w/u kernel and the state scan once more in the backward by default, not with
+    disable_recompute."""
+    from fastkda.backends.triton import prepare, scan
+
+    stages = ("kda_fwd_gates_kernel", "kda_fwd_intra_kernel", "kda_fwd_intra_chunk_kernel", "kda_fwd_inverse_kernel",
+              "kda_fwd_wu_kernel")
+    stage1 = spy_launches(monkeypatch, prepare, *stages)
+    scans = spy_launches(monkeypatch, scan, "kda_fwd_scan_kernel")
+    case = grow(RECOMPUTE_CASES[name], GPU)
+    backend_grads("triton", case, rng, disable_recompute=disable_recompute)
+    launches = stage1 + scans
+    again = 1 if disable_recompute else 2
+    want = {"kda_fwd_gates_kernel": 1, "intra": 1, "kda_fwd_inverse_kernel": 1, "kda_fwd_wu_kernel": again,
+            "kda_fwd_scan_kernel": again}
+    got = {n: sum(1 for m in launches if m == n or (n == "intra" and "intra" in m)) for n in want}
+    assert got == want, launches
+
+
+@pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
+@pytest.mark.parametrize("part", ["output", "final_state"])
+def test_loss_of_one_output(backend, part, rng):
+    """A loss of o alone or of the final state alone (the other output gets no gradient at all):
+    the gradients match the reference's."""
+    case = grow(Case(seqlens=(40, 0, 71), HV=2, gate="softplus", l2norm=True, beta_sigmoid=True), GPU)
+    x = make_inputs(case, device=DEVICE, requires_grad=True, generator=rng)
+    leaves = {n: x[n] for n in GRAD_INPUTS if isinstance(x.get(n), torch.Tensor)}
+    with use_backend(backend):
+        outs = chunk_kda(**x, chunk_size=case.chunk_size)
+    i = 0 if part == "output" else 1
+    w = torch.randn(outs[i].shape, generator=rng).to(outs[i])
+    got = torch.autograd.grad((outs[i].float() * w.float()).sum(), list(leaves.values()), allow_unused=True)
+    ref = reference(x)
+    want = torch.autograd.grad((ref[i] * w.double()).sum(), list(leaves.values()), allow_unused=True)
+    check_grads(dict(zip(leaves, got)), dict(zip(leaves, want)), x, tol_for(case.dtype, backend))
+
+
 def test_gradcheck_float64():
     """Finite differences through the public API in float64 (PyTorch backend), every input."""
     case = Case(seqlens=(3, 0, 37), H=1, HV=2, K=4, V=3, dtype=torch.float64, gate="softplus", l2norm=True,

@@ -1,14 +1,19 @@
 """The autograd Function of the Triton chunk_kda: forward stages 1-2, backward stages 1-2.
 
-By default the backward recomputes stage 1 and the scan (cheap next to the backward itself);
-``disable_recompute=True`` keeps them from the forward instead, at the cost of their memory.
+By default the forward keeps the part of stage 1 that is costly to recompute (gates, the intra-
+chunk matrices Aqk and Akk, the inverse X: ``prepare.fwd_intra``) and the backward recomputes the
+cheap rest (w, u, q e^G, k e^(G_last - G): ``prepare.fwd_wu``) and the state scan;
+``disable_recompute=True`` keeps all of it from the forward, at the cost of its memory (w, u, qg,
+kd, h, v': 1792 B per token and value head more between the forward and the backward, K = V =
+128, bf16).
 
 Peak memory of the backward, per token and value head, K = V = 128, C = 64, bf16 inputs (bytes):
-stage 1's w, u (512), gc (512; the block path also ga, 512), Akk, X (512); the scan's h (512) and
+stage 1's w, u (512), gc (512; the block path also ga, 512), Akk, X (512), Aqk (128); the scan's h (512) and
 v' (256); dH and dv' (1536); the chunk kernel's dqg, dkd, dw (1536), dAqk, dAkk (512) and dv, dg
 (512): 6400 B (whole-chunk path) or 6912 B (block path, plus its gate kernel's block sums), i.e.
 3.1 or 3.4 GiB for B1 T8192 H64. qg, kd, Aqk are freed before the chunk kernel; dq and dk (before
-l2norm) reuse the buffers of dqg and dkd.
+l2norm) reuse the buffers of dqg and dkd. (Aqk, kept from the forward by default, lives as long as
+the backward: 128 B more.)
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from ...options import KDAInputs, KDAOptions
 from .bwd_chunk import bwd_chunk, bwd_qk, whole_backward
 from .bwd_scan import bwd_scan
 from .common import contiguous, dot_config
-from .prepare import Prepared, chunk_tables_of, fwd_prepare
+from .prepare import Prepared, chunk_tables_of, fwd_prepare, fwd_wu
 from .scan import fwd_scan
 
 
@@ -28,12 +33,12 @@ def contiguous_inputs(x: KDAInputs) -> KDAInputs:
                          ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")})
 
 
-def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: bool = False):
+def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: bool = False, train: bool = False):
     """Stage 1 and the scan on contiguous inputs: (stage-1 output, o, final_state, h, v'); see
     ``fwd_scan`` for ``outputs`` and ``keep``. Bounded gates take the whole-chunk path of stage 1
-    (``fwd_prepare``), unless the backward reads it (``keep``) and needs the block path's scratches
+    (``fwd_prepare``), unless the backward reads it (``train``) and needs the block path's scratches
     (``bwd_chunk.whole_backward``)."""
-    whole = opts.safe_gate and (not keep or whole_backward(opts, x.q.dtype))
+    whole = opts.safe_gate and (not train or whole_backward(opts, x.q.dtype))
     p = fwd_prepare(opts, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, x.cu_seqlens_cpu,
                     whole=whole)
     o, ht, h, vn = fwd_scan(opts, p, x.initial_state, x.cu_seqlens, x.v.dtype, *dot_config(x.q.dtype),
@@ -43,24 +48,29 @@ def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: b
 
 class ChunkKDAFunction(torch.autograd.Function):
     """Forward and backward of the Triton chunk_kda. The context is set up apart from the forward
-    (``setup_context``), as torch.func transforms require; what ``disable_recompute`` keeps leaves
-    the forward as extra outputs, non-differentiable, and lives in the saved tensors only (the
-    chunk tables, cached host-side and possibly made under inference mode, are rebuilt instead)."""
+    (``setup_context``), as torch.func transforms require; what the backward reads from the forward
+    (``fwd_intra``'s part of stage 1; with ``disable_recompute`` all of stage 1 and the scan's h,
+    v') leaves the forward as extra outputs, non-differentiable, and lives in the saved tensors
+    only (the chunk tables, cached host-side and possibly made under inference mode, are rebuilt
+    instead)."""
 
     @staticmethod
     def forward(opts: KDAOptions, x: KDAInputs, q, k, v, g, beta, A_log, dt_bias, initial_state):
         # the tensors come again as arguments so that autograd sees them; x carries the rest
         x = contiguous_inputs(x._replace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
                                          initial_state=initial_state))
-        p, o, ht, h, vn = forward_stages(opts, x, keep=opts.disable_recompute)
-        kept = (*p[:11], h, vn) if opts.disable_recompute else ()  # stage 1's tensors, the scan's h, v'
-        return (o, ht, *kept)
+        p, o, ht, h, vn = forward_stages(opts, x, keep=opts.disable_recompute, train=True)
+        if opts.disable_recompute:  # stage 1's tensors, the scan's h, v'
+            return (o, ht, *p[:11], h, vn)
+        return (o, ht, None, None, None, None, *p[4:11])  # fwd_intra's part of stage 1
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         opts, x, *tensors = inputs
         kept = output[2:]
         ctx.mark_non_differentiable(*(t for t in kept if t is not None))
+        # no zero-filled gradients for the kept tensors (they would cost as much memory again)
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors, x.cu_seqlens, *kept)
         # the tensors live in saved_tensors only (a tensor of the graph held on ctx would be a cycle)
         ctx.x = x._replace(q=None, k=None, v=None, g=None, beta=None, A_log=None, dt_bias=None, initial_state=None,
@@ -73,19 +83,25 @@ class ChunkKDAFunction(torch.autograd.Function):
         q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, *kept = ctx.saved_tensors
         x = contiguous_inputs(ctx.x._replace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
                                              initial_state=h0, cu_seqlens=cu_seqlens))
+        if do is None:  # a loss of the final state alone (o has v's shape and dtype)
+            do = torch.zeros_like(x.v)
         need_dh0 = h0 is not None and ctx.needs_input_grad[9]
-        if kept:
-            tables = chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu)
-            stage = [Prepared(*kept[:11], *tables), *kept[11:]]
-        else:
-            stage = _recompute(opts, x)
-        del kept
+        tables = chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu)
+        p = Prepared(*kept[:11], *tables)
+        if opts.disable_recompute:
+            stage = [p, *kept[11:]]
+        else:  # w, u, qg, kd and the scan from the kept part
+            p = fwd_wu(opts, p, x.q, x.k, x.v, x.beta, x.cu_seqlens)
+            _, _, h, vn = fwd_scan(opts, p, x.initial_state, x.cu_seqlens, x.v.dtype, *dot_config(x.q.dtype),
+                                   outputs=False, keep=True)
+            stage = [p, h, vn]
+        del kept, p
         return gradients(opts, x, stage, do, dht, need_dh0)
 
 
 def _recompute(opts: KDAOptions, x: KDAInputs) -> list:
     """[stage 1's output, h, v'] for the backward."""
-    p, _, _, h, vn = forward_stages(opts, x, outputs=False, keep=True)
+    p, _, _, h, vn = forward_stages(opts, x, outputs=False, keep=True, train=True)
     return [p, h, vn]
 
 

@@ -3,25 +3,28 @@
 Four launches, each over every (chunk, value head) and, where the work splits further, over the
 chunk's 16-token blocks, its two matrices or its feature slices. Two paths:
 
-The block path (any gate; what the backward recomputes or keeps, except for bfloat16 inputs with
-bounded gates):
+The block path (any gate; what the backward reads, except for bfloat16 inputs with bounded
+gates):
 
     gates    (chunk, block, head)   gate activation, its block-local cumulative sums (``gc``),
                                     the activated gates (``ga``) and the row norms of q and k (``rs``)
     intra    (chunk, block, head)   row block r of Aqk and Akk (diagonal block and the blocks
-                                    against earlier ones), q e^G and k e^(G_last - G)
+                                    against earlier ones)
     inverse  (chunk, head)          X = (I + Diag(beta) Akk)^-1 (float32) and the chunk decay
-    wu       (chunk, slice, head)   one feature slice of w or u
+    wu       (chunk, slice, head)   one feature slice of w or u; the w slices also write q e^G and
+                                    k e^(G_last - G)
 
-The whole-chunk path (bounded gates, ``safe_gate``: inference, the forward of training, and the
-backward's stage 1 for bfloat16 inputs, ``bwd_chunk.whole_backward``):
+The whole-chunk path (bounded gates, ``safe_gate``: inference, and training with bfloat16
+inputs, ``bwd_chunk.whole_backward``):
 
     gates    (chunk, head)          gate activation, cumulative sums from the chunk start (``gc``),
                                     the chunk decay (``gl``), the row norms (``rs``)
     intra    (chunk, matrix, head)  Aqk or Akk of the whole chunk, [C, C] products level by level
     inverse  (chunk, head)          X, as above
-    wu       (chunk, slice, head)   one feature slice of w or u; the w slices also write q e^G and
-                                    k e^(G_last - G)
+    wu       (chunk, slice, head)   as above
+
+``fwd_intra`` launches the first three, ``fwd_wu`` the last: the training forward keeps the
+former's output for the backward, which recomputes only the latter (and the state scan).
 
 Tiles are [16, BS] (features in slices of BS columns) in the block path, [C, BS] in the
 whole-chunk kernels and the w/u kernel. l2norm, beta sigmoid and the gate activation are fused
@@ -102,12 +105,17 @@ def _c_last(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, C: tl.c
 
 @triton.jit
 def _x(ga, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_i, o_d):
-    """Sum of the gates after each of 16 tokens, up to the block end: a reverse cumulative sum of
-    the next rows (never a difference of two sums, which loses precision for large gates)."""
+    """Sum of the gates after each token of rows t0 + o_i, up to the end of its 16-token block: a
+    reverse cumulative sum of the next rows within each block (never a difference of two sums,
+    which loses precision for large gates)   [rows, BS]."""
+    R: tl.constexpr = o_i.shape[0]
+    BS: tl.constexpr = o_d.shape[0]
     o_t = t0 + 1 + o_i
-    m = ((o_i < 15) & (o_t < T_seq))[:, None] & (o_d < K)[None, :]
+    m = ((o_i % 16 < 15) & (o_t < T_seq))[:, None] & (o_d < K)[None, :]
     b_g = tl.load(ga + (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :], mask=m, other=0.0)
-    return tl.cumsum(b_g, 0, reverse=True)
+    if R == 16:
+        return tl.cumsum(b_g, 0, reverse=True)
+    return tl.reshape(tl.cumsum(tl.reshape(b_g, [R // 16, 16, BS]), 1, reverse=True), [R, BS])
 
 
 @triton.jit
@@ -203,11 +211,9 @@ def split_level(b_g, b_gn, o_i, H: tl.constexpr):
 
 
 @triton.jit
-def _diag(q, k, gc, ga, rs, qg, kd, bos, t0, T_seq, i_h, i_hv, scale, o_i, R, NC: tl.constexpr, C: tl.constexpr,
-          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-          SAFE: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
-    """Block R of the chunk: stores q e^G and k e^(G_last - G); returns its diagonal Aqk (j <= i)
-    and Akk (j < i) blocks, unscaled."""
+def _diag(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+          K: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
+    """Block R of the chunk: its diagonal Aqk (j <= i) and Akk (j < i) blocks, unscaled."""
     tr = t0 + 16 * R
     b_rq = _rs(rs, 0, 16 * R, C, o_i)
     b_rk = _rs(rs, 1, 16 * R, C, o_i)
@@ -217,13 +223,8 @@ def _diag(q, k, gc, ga, rs, qg, kd, bos, t0, T_seq, i_h, i_hv, scale, o_i, R, NC
         o_d = s + tl.arange(0, BS)
         b_q = _tile(q, bos, tr, T_seq, i_h, H, K, o_i, o_d) * b_rq[:, None]
         b_k = _tile(k, bos, tr, T_seq, i_h, H, K, o_i, o_d) * b_rk[:, None]
-        b_c = _c(gc, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
-        b_before = _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, R)
-        b_after = _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, R + 1, NC)
-        _put(qg, b_q * tl.exp2(b_c + b_before[None, :]) * scale, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
-        _put(kd, b_k * tl.exp2(_x(ga, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) + b_after[None, :]), bos, tr, T_seq, i_hv, HV,
-             K, o_i, o_d)
         if SAFE:
+            b_c = _c(gc, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
             # anchor at the middle token: each factor spans <= 8 gates of >= -5, |exponent| <= 58
             b_cm = row_of(b_c, o_i, 8)
             b_up = tl.exp2(b_c - b_cm[None, :])
@@ -247,8 +248,7 @@ def _diag(q, k, gc, ga, rs, qg, kd, bos, t0, T_seq, i_h, i_hv, scale, o_i, R, NC
 
 @triton.jit
 def _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, J, C: tl.constexpr, H: tl.constexpr,
-          HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, L2NORM: tl.constexpr,
-          PREC: tl.constexpr):
+          HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
     """Aqk and Akk of block R's rows against the earlier block J. Anchored at block R's start:
     rows scale by exp2(c_R) <= 1, columns by exp2(gates after token j up to that start) <= 1."""
     tr, tj = t0 + 16 * R, t0 + 16 * J
@@ -406,25 +406,23 @@ def kda_fwd_gates_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_intra_kernel(
-    q, k, gc, ga, rs, qg, kd, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
+    q, k, gc, ga, rs, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    SAFE: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    SAFE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Row block r of a chunk: Aqk (stored times scale) and Akk (to the scratch ls, which the
-    backward reads too) against blocks j <= r; q e^G and k e^(G_last - G) of its rows."""
+    backward reads too) against blocks j <= r."""
     r, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, C // 16)
     i_h = i_hv // (HV // H)
     tr = t0 + 16 * r
     o_i = tl.arange(0, 16)
-    NC: tl.constexpr = C // 16
     ls += i_p * C * C
     rs += i_p * 2 * C
-    b_Aqk, b_Akk = _diag(q, k, gc, ga, rs, qg, kd, bos, t0, T_seq, i_h, i_hv, scale, o_i, r, NC, C, H, HV, K, BK, BS, SAFE,
-                         L2NORM, PREC)
+    b_Aqk, b_Akk = _diag(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, r, C, H, HV, K, BK, BS, SAFE, PREC)
     _put(Aqk + 16 * r, b_Aqk * scale, bos, tr, T_seq, i_hv, HV, C, o_i, o_i)
     _put_blk(ls, b_Akk, 16 * r, 16 * r, C, o_i)
     for j in range(r):
-        b_Aqk, b_Akk = _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, r, j, C, H, HV, K, BK, BS, L2NORM, PREC)
+        b_Aqk, b_Akk = _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, r, j, C, H, HV, K, BK, BS, PREC)
         _put(Aqk + 16 * j, b_Aqk * scale, bos, tr, T_seq, i_hv, HV, C, o_i, o_i)
         _put_blk(ls, b_Akk, 16 * r, 16 * j, C, o_i)
 
@@ -460,26 +458,30 @@ def kda_fwd_inverse_kernel(
 
 
 @triton.jit
-def _blocks_before(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, NC: tl.constexpr, o_c, o_d):
-    """[C, BS]: for every row of the chunk, the gates of the blocks before its own (block sums)."""
+def _blocks_sum(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, NC: tl.constexpr, o_c, o_d,
+                AFTER: tl.constexpr):
+    """[C, BS]: for every row of the chunk, the gates of the blocks before its own (AFTER: after
+    it), a sum of block sums."""
     b_T = tl.zeros([o_c.shape[0], o_d.shape[0]], tl.float32)
-    for b in range(NC - 1):
-        b_T += tl.where((b < o_c // 16)[:, None], _bsum(gc, bos, t0 + 16 * b, T_seq, i_hv, HV, K, o_d)[None, :], 0.0)
+    for b in range(NC):
+        m_b = (b > o_c // 16) if AFTER else (b < o_c // 16)
+        b_T += tl.where(m_b[:, None], _bsum(gc, bos, t0 + 16 * b, T_seq, i_hv, HV, K, o_d)[None, :], 0.0)
     return b_T
 
 
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_wu_kernel(
-    q, k, v, beta, gc, rs, xs, w, u, qg, kd, cu_seqlens, chunk_indices, scale, T,
+    q, k, v, beta, gc, ga, rs, xs, w, u, qg, kd, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BS: tl.constexpr,
     NSK: tl.constexpr, NSV: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
     PREC: tl.constexpr, WHOLE: tl.constexpr,
 ):
     """Feature slice i_s of the chunk's w (the first NSK slices) or u (the rest, NSV), the whole
     chunk as one [C, C] x [C, BS] product (0.50 ms at B1 T8192 H64 on the H200, 8 warps; row block
-    by row block, [16, 16] x [16, BS] products, took 0.71 ms). With WHOLE (the whole-chunk path),
-    gc holds cumulative gates from the chunk start (the gates kernel in WHOLE mode) and the w slices
-    also store their slice of q e^G and k e^(G_last - G)."""
+    by row block, [16, 16] x [16, BS] products, took 0.71 ms). The w slices also store their slice
+    of q e^G and k e^(G_last - G). With WHOLE (the whole-chunk path) gc holds cumulative gates from
+    the chunk start; otherwise block-local ones, and the exponents are sums of block sums and of the
+    activated gates ga (never differences of long sums)."""
     i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK + NSV)
     i_h = i_hv // (HV // H)
     NC: tl.constexpr = C // 16
@@ -491,16 +493,19 @@ def kda_fwd_wu_kernel(
     if i_s < NSK:  # w = X (beta k e^G)
         o_d = i_s * BS + tl.arange(0, BS)
         b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + C + o_c)[:, None]
+        b_q = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + o_c)[:, None]
         if WHOLE:  # gc holds the cumulative gates from the chunk start
             b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
             b_e = tl.exp2(b_G)
-            b_q = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + o_c)[:, None]
-            _put(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
             b_last = _c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)  # G at the chunk end   [BS]
-            _put(kd, b_k * tl.exp2(b_last[None, :] - b_G), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-        else:
+            b_d = tl.exp2(b_last[None, :] - b_G)
+        else:  # G: own block's cumulative gates + earlier blocks'; G_last - G: the rest of the block + later blocks'
             b_e = tl.exp2(_c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-                          + _blocks_before(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d))
+                          + _blocks_sum(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d, False))
+            b_d = tl.exp2(_x(ga, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+                          + _blocks_sum(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d, True))
+        _put(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+        _put(kd, b_k * b_d, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
         _put(w, tl.dot(b_X, b_k * b_b[:, None] * b_e, input_precision=PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
     else:  # u = X (beta v)
         o_d = (i_s - NSK) * BS + tl.arange(0, BS)
@@ -539,16 +544,25 @@ def chunk_tables_of(opts, cu_seqlens, cu_host) -> tuple[torch.Tensor | None, tor
 def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=False) -> Prepared:
     """Launch stage 1. ``whole`` (bounded gates only) takes the whole-chunk path: ``gc`` then holds
     cumulative gates from the chunk start and ``ga`` is None (the backward's kernels follow)."""
+    p = fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole)
+    return fwd_wu(opts, p, q, k, v, beta, cu_seqlens)
+
+
+def _where(opts, p: Prepared, cu_seqlens) -> dict:
+    return dict(cu_seqlens=cu_seqlens, chunk_indices=p.chunk_indices, T=opts.shape.T, HV=opts.shape.HV,
+                C=opts.chunk_size, IS_VARLEN=cu_seqlens is not None)
+
+
+def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=False) -> Prepared:
+    """Stage 1 up to the inverse (gates, intra, inverse): a ``Prepared`` without w, u, qg, kd
+    (None), which ``fwd_wu`` adds. What the training forward keeps for the backward (the part of
+    stage 1 that is not cheap to recompute)."""
     s, C = opts.shape, opts.chunk_size
-    B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
+    B, T, H, HV, K = s.B, s.T, s.H, s.HV, s.K
     if whole and not opts.safe_gate:
         raise ValueError("the whole-chunk path needs bounded gates (safe_gate=True)")
     chunk_indices, chunk_offsets, NT_total = chunk_tables_of(opts, cu_seqlens, cu_host)
     dev, dt = q.device, q.dtype
-    w = new_empty(B, T, HV, K, dtype=dt, device=dev)
-    u = new_empty(B, T, HV, V, dtype=dt, device=dev)
-    qg = new_empty(B, T, HV, K, dtype=dt, device=dev)
-    kd = new_empty(B, T, HV, K, dtype=dt, device=dev)
     Aqk = new_empty(B, T, HV, C, dtype=dt, device=dev)
     gl = new_empty(NT_total, HV, K, dtype=torch.float32, device=dev)
     gc = new_empty(B, T, HV, K, dtype=torch.float32, device=dev)  # cumulative gates (block-local unless whole)
@@ -556,16 +570,16 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, who
     ls = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # Akk, lower blocks
     xs = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # (I + L)^-1, lower blocks
     rs = new_empty(NT_total, HV, 2, C, dtype=torch.float32, device=dev)  # 1/|q|, 1/|k| of every row
+    p = Prepared(None, None, None, None, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total)
     PREC = "ieee" if dt == torch.float32 else "tf32"  # products are float32: tensor-core tf32 for 16-bit inputs
     if NT_total > 0:
-        BK, BV = pow2(K), pow2(V)
-        BS = min(SLICE, BK, BV)
+        BK = pow2(K)
+        BS = min(SLICE, BK, pow2(s.V))
         NC = C // 16
-        where = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, HV=HV, C=C, IS_VARLEN=cu_seqlens is not None)
+        where = _where(opts, p, cu_seqlens)
         gate = gate_launch(opts, A_log, dt_bias)
         # gates, intra and inverse do not see V: their launch follows K alone (V = 2K under context
         # parallelism's fused identity run runs the binaries tuned and tested for V = K)
-        beta_kw = dict(SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale)
         kda_fwd_gates_kernel[(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
             q, k, g, A_log, dt_bias, gc, ga, gl, rs, H=H, K=K, BK=BK, BS=BS, L2NORM=opts.qk_l2norm, WHOLE=whole,
             **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
@@ -575,15 +589,27 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, who
                 **launch_options(LAUNCH, "chunk", BK, BK))
         else:
             kda_fwd_intra_kernel[(NT_total * NC, HV)](
-                q, k, gc, ga, rs, qg, kd, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate,
-                L2NORM=opts.qk_l2norm, PREC=PREC, **where,
-                **launch_options(LAUNCH, "intra", BK, BK))
+                q, k, gc, ga, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate, PREC=PREC,
+                **where, **launch_options(LAUNCH, "intra", BK, BK))
         kda_fwd_inverse_kernel[(NT_total, HV)](
-            beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, GL=not whole, **beta_kw, **where,
-            **launch_options(LAUNCH, "inverse", BK, BK))
-        BS_WU = min(WU_SLICE, BK, BV)
-        NSK, NSV = cdiv(K, BS_WU), cdiv(V, BS_WU)
-        kda_fwd_wu_kernel[(NT_total * (NSK + NSV), HV)](
-            q, k, v, beta, gc, rs, xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS_WU, NSK=NSK, NSV=NSV,
-            PREC=PREC, WHOLE=whole, **beta_kw, **where, **launch_options(LAUNCH, "wu", BK, BV))
-    return Prepared(w, u, qg, kd, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total)
+            beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, GL=not whole, SIGMOID=opts.beta_sigmoid,
+            BETA_SCALE=opts.beta_scale, **where, **launch_options(LAUNCH, "inverse", BK, BK))
+    return p
+
+
+def fwd_wu(opts, p: Prepared, q, k, v, beta, cu_seqlens) -> Prepared:
+    """The rest of stage 1 on the output of ``fwd_intra``: w, u, q e^G and k e^(G_last - G)."""
+    s = opts.shape
+    B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
+    dev, dt = q.device, q.dtype
+    w, qg, kd = (new_empty(B, T, HV, K, dtype=dt, device=dev) for _ in range(3))
+    u = new_empty(B, T, HV, V, dtype=dt, device=dev)
+    if p.NT_total > 0:
+        BK, BV = pow2(K), pow2(V)
+        BS = min(WU_SLICE, BK, BV)
+        NSK, NSV = cdiv(K, BS), cdiv(V, BS)
+        kda_fwd_wu_kernel[(p.NT_total * (NSK + NSV), HV)](
+            q, k, v, beta, p.gc, p.ga, p.rs, p.xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS, NSK=NSK,
+            NSV=NSV, PREC="ieee" if dt == torch.float32 else "tf32", WHOLE=p.ga is None, SIGMOID=opts.beta_sigmoid,
+            BETA_SCALE=opts.beta_scale, **_where(opts, p, cu_seqlens), **launch_options(LAUNCH, "wu", BK, BV))
+    return p._replace(w=w, u=u, qg=qg, kd=kd)
