@@ -91,6 +91,24 @@ def test_triton_recompute_launches(name, disable_recompute, rng, monkeypatch):
     assert got == want, launches
 
 
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+def test_triton_kept_outputs_get_no_gradient(rng, monkeypatch):
+    """The tensors the forward keeps for the backward leave the autograd Function as outputs: their
+    backward receives None for them, not zero-filled tensors as large as what is kept."""
+    from fastkda.backends.triton.function import ChunkKDAFunction
+
+    seen = []
+    backward = ChunkKDAFunction.backward
+
+    def spy(ctx, do, dht, *rest):
+        seen.append([g is None for g in rest])
+        return backward(ctx, do, dht, *rest)
+
+    monkeypatch.setattr(ChunkKDAFunction, "backward", staticmethod(spy))
+    backend_grads("triton", grow(RECOMPUTE_CASES["softplus_varlen"], GPU), rng)
+    assert len(seen) == 1 and seen[0] and all(seen[0]), seen
+
+
 @pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
 @pytest.mark.parametrize("part", ["output", "final_state"])
 def test_loss_of_one_output(backend, part, rng):

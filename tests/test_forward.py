@@ -124,11 +124,11 @@ WHOLE_EXTRA = {  # feature widths that are not powers of two, the widest keys; k
 @pytest.mark.parametrize("axis", [*AXES, *WHOLE_EXTRA])
 def test_whole_chunk_path(axis, rng, monkeypatch):
     """Bounded gates: the Triton forward's whole-chunk path (docs/math.md section 3) on every
-    axis, against the reference, and the block path (which the backward recomputes or keeps with
-    disable_recompute, except for bfloat16; forced here) on the same inputs."""
+    axis, against the reference, and the block path (which the training forward takes for the
+    backward to read, except for bfloat16; forced here) on the same inputs."""
     from fastkda.backends.triton import bwd_chunk, prepare
 
-    monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", False)  # disable_recompute below: the block path
+    monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", False)  # the training forward below: the block path
     case = bounded(grow(AXES[axis], GPU) if axis in AXES else WHOLE_EXTRA[axis])
     launches = spy_launches(monkeypatch, prepare, "kda_fwd_intra_chunk_kernel")  # proves which path ran
     x = make_inputs(case, device=DEVICE, generator=rng)

@@ -75,8 +75,8 @@ def chunk_kda(
         safe_gate: promise that every gate lies in ``[lower_bound, 0)`` with ``-5 <= lower_bound < 0``;
             enables the fast intra-chunk path.
         disable_recompute: keep every forward intermediate for the backward instead of recomputing
-            the cheap ones (w, u, q e^G, k e^(G_last - G), the states); the intra-chunk matrices
-            are kept either way.
+            the cheap ones (w, u, q e^G, k e^(G_last - G), the states); the Triton backend's
+            autograd keeps the intra-chunk matrices either way (docs/api.md).
         return_intermediate_states: also return ``h``, the state at the start of every chunk,
             ``[B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``); inference mode only.
         state_v_first: states are ``[V, K]`` instead of ``[K, V]``.

@@ -55,7 +55,7 @@ V_STATE_SLICE = 32  # key columns per state-product program of kda_bwd_v_kernel 
 # of the diagonal blocks take the input dtype's products (tf32 for 16-bit inputs), as elsewhere.
 EXACT_PAIRS = None
 # Bounded gates (safe_gate) with bfloat16 inputs take the whole-chunk path end to end: stage 1
-# (also when the backward recomputes or keeps it) and kda_bwd_gate_chunk_kernel, which sums every
+# (also in the training forward, whose output the backward reads) and kda_bwd_gate_chunk_kernel, which sums every
 # pair of a chunk from row and column sums. True/False force it on or off for bounded gates of any
 # dtype; None: bfloat16 only (EXACT_PAIRS=True keeps the block path).
 WHOLE_BACKWARD = None

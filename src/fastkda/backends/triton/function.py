@@ -2,18 +2,21 @@
 
 By default the forward keeps the part of stage 1 that is costly to recompute (gates, the intra-
 chunk matrices Aqk and Akk, the inverse X: ``prepare.fwd_intra``) and the backward recomputes the
-cheap rest (w, u, q e^G, k e^(G_last - G): ``prepare.fwd_wu``) and the state scan;
-``disable_recompute=True`` keeps all of it from the forward, at the cost of its memory (w, u, qg,
-kd, h, v': 1792 B per token and value head more between the forward and the backward, K = V =
-128, bf16).
+cheap rest (w, u, q e^G, k e^(G_last - G): ``prepare.fwd_wu``) and the state scan.
 
-Peak memory of the backward, per token and value head, K = V = 128, C = 64, bf16 inputs (bytes):
-stage 1's w, u (512), gc (512; the block path also ga, 512), Akk, X (512), Aqk (128); the scan's h (512) and
-v' (256); dH and dv' (1536); the chunk kernel's dqg, dkd, dw (1536), dAqk, dAkk (512) and dv, dg
-(512): 6400 B (whole-chunk path) or 6912 B (block path, plus its gate kernel's block sums), i.e.
-3.1 or 3.4 GiB for B1 T8192 H64. qg, kd, Aqk are freed before the chunk kernel; dq and dk (before
-l2norm) reuse the buffers of dqg and dkd. (Aqk, kept from the forward by default, lives as long as
-the backward: 128 B more.)
+Held from the forward to the backward beyond the inputs, per token and value head, K = V = 128,
+C = 64, bf16 inputs (bytes): gc (512), Akk and X (512), Aqk (128), the row norms and chunk decays
+(16): 1168 B on the whole-chunk path, 1680 B on the block path (plus ga, 512).
+``disable_recompute=True`` keeps w, u, qg, kd and the scan's h, v' as well (1792 B more). The
+compiled operator (``chunk_kda_vjp``, ``fastkda.library``) keeps nothing and recomputes all of
+stage 1.
+
+Peak memory of the backward, same units: stage 1's w, u (512), gc (512; the block path also ga,
+512), Akk, X (512), Aqk (128); the scan's h (512) and v' (256); dH and dv' (1536); the chunk
+kernel's dqg, dkd, dw (1536), dAqk, dAkk (512) and dv, dg (512): 6528 B (whole-chunk path) or
+7040 B (block path, plus its gate kernel's block sums), i.e. 3.2 or 3.4 GiB for B1 T8192 H64. qg
+and kd are freed before the chunk kernel (Aqk too when the backward recomputed it); dq and dk
+(before l2norm) reuse the buffers of dqg and dkd.
 """
 
 from __future__ import annotations
@@ -108,8 +111,9 @@ def _recompute(opts: KDAOptions, x: KDAInputs) -> list:
 def gradients(opts: KDAOptions, x: KDAInputs, stage: list, do, dht, need_dh0: bool):
     """Backward stages 1 and 2 from ``stage`` = [stage 1's output, the scan's h, v'] (contiguous
     inputs ``x``): (None, None, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0), as the autograd
-    Function returns them. ``stage`` is emptied: no caller's reference keeps qg, kd, Aqk (freed
-    before the largest stage) or the rest (freed before the q/k reduction) alive."""
+    Function returns them. ``stage`` is emptied, so that what only it holds is freed early: qg, kd
+    (and Aqk, unless the autograd context keeps it) before the largest stage, the rest before the q/k
+    reduction."""
     p, h, vn = stage
     stage.clear()
     q, k, h0, cu_seqlens = x.q, x.k, x.initial_state, x.cu_seqlens

@@ -463,7 +463,7 @@ def _blocks_sum(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, NC:
     """[C, BS]: for every row of the chunk, the gates of the blocks before its own (AFTER: after
     it), a sum of block sums."""
     b_T = tl.zeros([o_c.shape[0], o_d.shape[0]], tl.float32)
-    for b in range(NC):
+    for b in range(1 if AFTER else 0, NC if AFTER else NC - 1):
         m_b = (b > o_c // 16) if AFTER else (b < o_c // 16)
         b_T += tl.where(m_b[:, None], _bsum(gc, bos, t0 + 16 * b, T_seq, i_hv, HV, K, o_d)[None, :], 0.0)
     return b_T
@@ -578,8 +578,9 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
         NC = C // 16
         where = _where(opts, p, cu_seqlens)
         gate = gate_launch(opts, A_log, dt_bias)
-        # gates, intra and inverse do not see V: their launch follows K alone (V = 2K under context
-        # parallelism's fused identity run runs the binaries tuned and tested for V = K)
+        # gates, intra and inverse do not see V: their warps follow K alone (V = 2K under context
+        # parallelism's fused identity run runs the binaries tuned and tested for V = K); the
+        # slice width also stays within V's (16 columns for V <= 16)
         kda_fwd_gates_kernel[(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
             q, k, g, A_log, dt_bias, gc, ga, gl, rs, H=H, K=K, BK=BK, BS=BS, L2NORM=opts.qk_l2norm, WHOLE=whole,
             **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
