@@ -27,7 +27,7 @@ from ...options import KDAInputs, KDAOptions
 from .bwd_chunk import bwd_chunk, bwd_qk, whole_backward
 from .bwd_scan import bwd_scan
 from .common import contiguous, dot_config
-from .prepare import Prepared, chunk_tables_of, fwd_prepare, fwd_wu
+from .prepare import Prepared, chunk_tables_of, fwd_intra, fwd_wu
 from .scan import fwd_scan
 
 
@@ -36,14 +36,17 @@ def contiguous_inputs(x: KDAInputs) -> KDAInputs:
                          ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")})
 
 
-def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: bool = False, train: bool = False):
+def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: bool = False, train: bool = False,
+                   intra: Prepared | None = None):
     """Stage 1 and the scan on contiguous inputs: (stage-1 output, o, final_state, h, v'); see
-    ``fwd_scan`` for ``outputs`` and ``keep``. Bounded gates take the whole-chunk path of stage 1
-    (``fwd_prepare``), unless the backward reads it (``train``) and needs the block path's scratches
-    (``bwd_chunk.whole_backward``)."""
-    whole = opts.safe_gate and (not train or whole_backward(opts, x.q.dtype))
-    p = fwd_prepare(opts, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, x.cu_seqlens_cpu,
-                    whole=whole)
+    ``fwd_scan`` for ``outputs`` and ``keep``. Bounded gates take the whole-chunk path of stage 1,
+    unless the backward reads it (``train``) and needs the block path's scratches
+    (``bwd_chunk.whole_backward``). ``intra``: the output of ``fwd_intra`` kept from the forward,
+    from which only ``fwd_wu`` and the scan run."""
+    if intra is None:
+        whole = opts.safe_gate and (not train or whole_backward(opts, x.q.dtype))
+        intra = fwd_intra(opts, x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, x.cu_seqlens_cpu, whole)
+    p = fwd_wu(opts, intra, x.q, x.k, x.v, x.beta, x.cu_seqlens)
     o, ht, h, vn = fwd_scan(opts, p, x.initial_state, x.cu_seqlens, x.v.dtype, *dot_config(x.q.dtype),
                             outputs=outputs, keep=keep)
     return p, o, ht, h, vn
@@ -89,22 +92,15 @@ class ChunkKDAFunction(torch.autograd.Function):
         if do is None:  # a loss of the final state alone (o has v's shape and dtype)
             do = torch.zeros_like(x.v)
         need_dh0 = h0 is not None and ctx.needs_input_grad[9]
-        tables = chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu)
-        p = Prepared(*kept[:11], *tables)
-        if opts.disable_recompute:
-            stage = [p, *kept[11:]]
-        else:  # w, u, qg, kd and the scan from the kept part
-            p = fwd_wu(opts, p, x.q, x.k, x.v, x.beta, x.cu_seqlens)
-            _, _, h, vn = fwd_scan(opts, p, x.initial_state, x.cu_seqlens, x.v.dtype, *dot_config(x.q.dtype),
-                                   outputs=False, keep=True)
-            stage = [p, h, vn]
+        p = Prepared(*kept[:11], *chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu))
+        stage = [p, *kept[11:]] if opts.disable_recompute else _recompute(opts, x, p)
         del kept, p
         return gradients(opts, x, stage, do, dht, need_dh0)
 
 
-def _recompute(opts: KDAOptions, x: KDAInputs) -> list:
-    """[stage 1's output, h, v'] for the backward."""
-    p, _, _, h, vn = forward_stages(opts, x, outputs=False, keep=True, train=True)
+def _recompute(opts: KDAOptions, x: KDAInputs, intra: Prepared | None = None) -> list:
+    """[stage 1's output, h, v'] for the backward: all of it, or from ``intra`` (see forward_stages)."""
+    p, _, _, h, vn = forward_stages(opts, x, outputs=False, keep=True, train=True, intra=intra)
     return [p, h, vn]
 
 
