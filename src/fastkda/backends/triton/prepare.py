@@ -458,15 +458,16 @@ def kda_fwd_inverse_kernel(
 
 
 @triton.jit
-def _blocks_sum(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, NC: tl.constexpr, o_c, o_d,
-                AFTER: tl.constexpr):
-    """[C, BS]: for every row of the chunk, the gates of the blocks before its own (AFTER: after
-    it), a sum of block sums."""
-    b_T = tl.zeros([o_c.shape[0], o_d.shape[0]], tl.float32)
-    for b in range(1 if AFTER else 0, NC if AFTER else NC - 1):
-        m_b = (b > o_c // 16) if AFTER else (b < o_c // 16)
-        b_T += tl.where(m_b[:, None], _bsum(gc, bos, t0 + 16 * b, T_seq, i_hv, HV, K, o_d)[None, :], 0.0)
-    return b_T
+def _blocks_around(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, NC: tl.constexpr, o_c, o_d):
+    """([C, BS], [C, BS]): for every row of the chunk, the gates of the blocks before its own and of
+    those after it, sums of block sums (each block sum loaded once)."""
+    b_before = tl.zeros([o_c.shape[0], o_d.shape[0]], tl.float32)
+    b_after = tl.zeros([o_c.shape[0], o_d.shape[0]], tl.float32)
+    for b in range(NC):
+        b_s = _bsum(gc, bos, t0 + 16 * b, T_seq, i_hv, HV, K, o_d)[None, :]
+        b_before += tl.where((b < o_c // 16)[:, None], b_s, 0.0)
+        b_after += tl.where((b > o_c // 16)[:, None], b_s, 0.0)
+    return b_before, b_after
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -500,10 +501,9 @@ def kda_fwd_wu_kernel(
             b_last = _c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)  # G at the chunk end   [BS]
             b_d = tl.exp2(b_last[None, :] - b_G)
         else:  # G: own block's cumulative gates + earlier blocks'; G_last - G: the rest of the block + later blocks'
-            b_e = tl.exp2(_c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-                          + _blocks_sum(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d, False))
-            b_d = tl.exp2(_x(ga, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-                          + _blocks_sum(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d, True))
+            b_before, b_after = _blocks_around(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d)
+            b_e = tl.exp2(_c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + b_before)
+            b_d = tl.exp2(_x(ga, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + b_after)
         _put(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
         _put(kd, b_k * b_d, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
         _put(w, tl.dot(b_X, b_k * b_b[:, None] * b_e, input_precision=PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
