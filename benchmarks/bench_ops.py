@@ -126,7 +126,9 @@ def timed_once(call):
     return out, time.perf_counter() - t0
 
 
-def bench_forward(cases, with_error=True):
+def bench_forward(cases, with_error=True, done=None):
+    """Inference forward of each case, every library; ``done(rows)`` after each case (a run cut
+    short keeps the cases measured)."""
     import triton.testing as tt
 
     from fastkda.testing import rel_rms
@@ -149,6 +151,8 @@ def bench_forward(cases, with_error=True):
                         "gbps": io_bytes(x, o.numel()) / ms / 1e6}
             print(f"{name:28s} {lib:8s} {ms:8.3f} ms  first {first:6.1f} s  peak +{peak:5.2f} GiB  err {err:.2e}", flush=True)
         rows.append(row)
+        if done is not None:
+            done(rows)
     return rows
 
 
@@ -393,7 +397,8 @@ def run(args):
             json.dump(res, f, indent=1)
 
     suites = {"stages": ("forward_stages", breakdown),
-              "forward": ("forward", lambda: bench_forward(pick(FORWARD), with_error=not args.no_error)),
+              "forward": ("forward", lambda: bench_forward(pick(FORWARD), not args.no_error,
+                                                           lambda rows: save("forward", rows))),
               "backward": ("backward", lambda: bench_backward(pick(BACKWARD), lambda rows: save("backward", rows))),
               "compile": ("compile", lambda: bench_compile([c for c in COMPILE if not args.cases
                                                             or any(w in c for w in args.cases)])),

@@ -49,8 +49,12 @@ def main():
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="set a module constant of fastkda.backends.triton first, e.g. prepare.SLICE=64")
+    ap.add_argument("--configs", default=None, metavar="W:CAP,...",
+                    help="the (warps, register cap) pairs to try, e.g. 4:0,8:0,2:128 (0: no cap); default: all")
     ap.add_argument("--only", type=int, default=None, help="(internal) compile configuration i and exit")
     a = ap.parse_args()
+    if a.configs:
+        CONFIGS[:] = [(int(w), int(c) or None) for w, c in (x.split(":") for x in a.configs.split(","))]
     os.environ.setdefault("FASTKDA_BACKEND", "triton")
     gates = a.gates.split(",")
     for item in a.set:
@@ -71,7 +75,8 @@ def main():
         while procs and len(running) < a.jobs:
             i = procs.pop(0)
             running.append(subprocess.Popen([sys.executable, __file__, "--case", a.case, "--gates", a.gates,
-                                             *[f"--set={x}" for x in a.set], "--only", str(i)]))
+                                             *[f"--set={x}" for x in a.set], *(["--configs", a.configs] if a.configs else []),
+                                             "--only", str(i)]))
         running[0].wait()
         running.pop(0)
     for gate in gates:
