@@ -72,9 +72,9 @@ def test_disable_recompute_same_gradients(backend, name, rng):
 @pytest.mark.parametrize("name,disable_recompute", [*((n, False) for n in RECOMPUTE_CASES),
                                                      ("bf16_whole", True), ("softplus_varlen", True)])
 def test_triton_recompute_launches(name, disable_recompute, rng, monkeypatch):
-    """What one training step launches: stage 1's gates (block path only: the whole-chunk path's
-    kernels compute the gates themselves), intra and inverse once (the forward keeps them); its w/u
-    kernel and the state scan once more in the backward by default, not with disable_recompute."""
+    """What one training step launches: stage 1's gates, intra and inverse once (the forward keeps
+    them); its w/u kernel and the state scan once more in the backward by default, not with
+    disable_recompute."""
     from fastkda.backends.triton import prepare, scan
 
     stages = ("kda_fwd_gates_kernel", "kda_fwd_intra_kernel", "kda_fwd_intra_chunk_kernel", "kda_fwd_inverse_kernel",
@@ -85,8 +85,7 @@ def test_triton_recompute_launches(name, disable_recompute, rng, monkeypatch):
     backend_grads("triton", case, rng, disable_recompute=disable_recompute)
     launches = stage1 + scans
     again = 1 if disable_recompute else 2
-    whole = case.gate == "safe" and case.dtype == torch.bfloat16
-    want = {"kda_fwd_gates_kernel": 0 if whole else 1, "intra": 1, "kda_fwd_inverse_kernel": 1, "kda_fwd_wu_kernel": again,
+    want = {"kda_fwd_gates_kernel": 1, "intra": 1, "kda_fwd_inverse_kernel": 1, "kda_fwd_wu_kernel": again,
             "kda_fwd_scan_kernel": again}
     got = {n: sum(1 for m in launches if m == n or (n == "intra" and "intra" in m)) for n in want}
     assert got == want, launches
@@ -209,7 +208,7 @@ def test_whole_chunk_gradients_mirrored(chunk_size, rng, monkeypatch):
     class Capture:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                seen.append((args[9].clone(), args[10].clone()))  # s_dA, s_dL before the kernel runs
+                seen.append((args[10].clone(), args[11].clone()))  # s_dA, s_dL before the kernel runs
                 return kernel[grid](*args, **kw)
             return launch
 

@@ -35,8 +35,7 @@ from ...testing import new_empty
 from .common import (block_lower, cdiv, chunk_program, exclusive_cumsum, gate_backward, gate_launch, launch_options,
                      pow2, row_of)
 from .scan import _state_ptrs
-from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _put, _tile, _x, chunk_gates, level_pairs,
-                      split_level)
+from .prepare import SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _put, _tile, _x, level_pairs, split_level
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
 # "v", "k", "gate_chunk" and the two slices below: B1 T8192 H64 safe gate, one training step on the
@@ -88,14 +87,6 @@ def _col_of(x, o_c, c):
 def _xcol(xs, r, C: tl.constexpr, o_c, o_i):
     """Column block r of X [C, 16]: rows above the block are zero (and were never written)."""
     return tl.load(xs + o_c[:, None] * C + 16 * r + o_i[None, :], mask=(o_c >= 16 * r)[:, None], other=0.0)
-
-
-@triton.jit
-def _block_rows(b_x, r, NC: tl.constexpr):
-    """Rows of block r of a [C, BS] tile, as [16, BS]."""
-    BS: tl.constexpr = b_x.shape[1]
-    b_3 = tl.reshape(b_x, [NC, 16, BS])
-    return tl.sum(tl.where((tl.arange(0, NC) == r)[:, None, None], b_3, 0.0), 0)
 
 
 @triton.jit
@@ -171,16 +162,14 @@ def kda_bwd_v_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def kda_bwd_k_kernel(
-    k, g, A_log, dt_bias, beta, w, gc, ls, xs, rs, s_dw, s_dL, s_db, dbeta,
-    cu_seqlens, chunk_indices, lower_bound, T,
+    k, beta, w, gc, ls, xs, rs, s_dw, s_dL, s_db, dbeta,
+    cu_seqlens, chunk_indices, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
     SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, WHOLE: tl.constexpr,
-    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """Phase B: the contractions over K, row block by row block (dw is overwritten with dkg). With
-    WHOLE (after the whole-chunk stage 1) the cumulative gates from the chunk start are computed
-    here (``chunk_gates``), and dAkk leaves with its transpose in its upper triangle (for
-    kda_bwd_gate_chunk_kernel); otherwise gc holds block-local sums."""
+    WHOLE, gc holds cumulative gates from the chunk start (the whole-chunk stage 1), and dAkk leaves
+    with its transpose in its upper triangle (for kda_bwd_gate_chunk_kernel)."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
     i_h = i_hv // (HV // H)
     o_i = tl.arange(0, 16)
@@ -204,11 +193,9 @@ def kda_bwd_k_kernel(
             b_dwC = tl.load(s_dw + (bos + t0 + o_c).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :],
                             mask=((o_c >= 16 * r) & (t0 + o_c < T_seq))[:, None] & (o_d < K)[None, :], other=0.0)
             b_bw = _mm(tl.trans(b_Xc), b_dwC, PREC)  # [16, BS]
-            if WHOLE:
-                b_G = _block_rows(chunk_gates(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d,
-                                              GATE, HAS_A, HAS_BIAS)[1], r, NC)
-            else:  # block-local sums and the blocks before
-                b_G = _c(gc, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) + _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, r)[None, :]
+            b_G = _c(gc, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+            if not WHOLE:  # block-local sums: add the blocks before
+                b_G += _bsums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, r)[None, :]
             b_kg = _tile(k, bos, tr, T_seq, i_h, H, K, o_i, o_d) * b_rk[:, None] * tl.exp2(b_G)
             b_db += tl.sum(b_kg * b_bw, 1)
             b_dL -= _mm(b_bw, tl.trans(_tile(w, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)), PREC)
@@ -257,13 +244,14 @@ def _dg_out(g, A_log, dt_bias, dg, b_dgr, lower_bound, bos, t0, T_seq, i_hv, HV:
 
 
 @triton.jit
-def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, o_c, S: tl.constexpr, PREC: tl.constexpr):
+def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr,
+                K: tl.constexpr, o_c, o_d, S: tl.constexpr, PREC: tl.constexpr):
     """Add level S of the pair terms i > j (anchored as in the forward, prepare._anchored) to dq (rows
     of dAqk), dk through the rows of dAkk (dkr) and dk through the columns of both (dkc). The [C, C]
     gradients are loaded per level, the level's entries only: as they are from the lower triangle,
     transposed from the upper one (kda_bwd_v_kernel MIRROR, kda_bwd_k_kernel WHOLE; docs/math.md
     section 5). The diagonal of dAqk is left to the caller."""
-    m, b_r, b_c = _anchored(b_G, o_c, 1, S)
+    m, b_r, b_c = _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, 1, S)
     m_t = level_pairs(o_c[None, :], o_c[:, None], 1, S)  # the level's transposed entries: upper triangle
     b_kc = b_k * b_c
     b_dq += b_r * _mm(tl.load(s_dA + o_cc, mask=m, other=0.0), b_kc, PREC)
@@ -275,13 +263,13 @@ def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, o_c, S: tl.
 
 @triton.jit(do_not_specialize=["T"])
 def kda_bwd_gate_chunk_kernel(
-    q, k, g, A_log, dt_bias, rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
+    q, k, g, A_log, dt_bias, gc, rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
     dg, dA_part, dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, NSK: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Phase C for bounded gates after the whole-chunk stage 1 (cumulative gates from the chunk
-    start, computed here: ``chunk_gates``), one feature slice of a chunk: the pair terms of dAqk and dAkk as [C, C] x [C, BS] products level by
+    """Phase C for bounded gates after the whole-chunk stage 1 (gc from the chunk start), one
+    feature slice of a chunk: the pair terms of dAqk and dAkk as [C, C] x [C, BS] products level by
     level, and dg as a reverse cumulative sum of dG over the chunk, its pair terms as row sums minus
     column sums (docs/math.md section 5), the products in PREC (PAIR_PREC of the input dtype). dq
     and dk of this value head (before l2norm) replace dqg and dkd."""
@@ -293,23 +281,25 @@ def kda_bwd_gate_chunk_kernel(
     rs += i_p * 2 * C
     # dAqk (times scale, diagonal and below) and dAkk (strictly below), each transposed above its diagonal
     o_cc = i_p * C * C + o_c[:, None] * C + o_c[None, :]
-    b_g, b_G = chunk_gates(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A,
-                           HAS_BIAS)  # [C, BS]
+    b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)  # [C, BS]
     b_q = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + o_c)[:, None]
     b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + C + o_c)[:, None]
     b_dq = tl.zeros([C, BS], tl.float32)
     b_dkr = tl.zeros([C, BS], tl.float32)
     b_dkc = tl.zeros([C, BS], tl.float32)
     if C == 64:
-        b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, o_c, 64, PREC)
-    b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, o_c, 32, PREC)
-    b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, o_c, 16, PREC)
+        b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV,
+                                         K, o_c, o_d, 64, PREC)
+    b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K,
+                                     o_c, o_d, 32, PREC)
+    b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K,
+                                     o_c, o_d, 16, PREC)
     # the diagonal of Aqk (factor e^0 = 1) reaches dq and dk only: in dG its two terms cancel exactly
     b_dAii = tl.load(s_dA + i_p * C * C + o_c * (C + 1))  # [C]
     b_dii_q = b_dAii[:, None] * b_k
     b_dii_k = b_dAii[:, None] * b_q
     # qg = scale q e^G, kd = k e^(G_last - G), kg = k e^G
-    b_last = tl.sum(b_g, 0)  # G at the chunk end   [BS]
+    b_last = _c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)  # G at the chunk end   [BS]
     b_eG = tl.exp2(b_G)
     b_dqg = _tile(s_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * (scale * b_eG)
     b_dkd = _tile(s_dkd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * tl.exp2(b_last[None, :] - b_G)
@@ -544,21 +534,21 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
         beta_kw = dict(SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale)
         BKS = min(V_STATE_SLICE, BK)
         NKS = cdiv(K, BKS)
-        whole = p.ga is None  # stage 1 took the whole-chunk path (no stored gates)
-        gate = gate_launch(opts, x.A_log, x.dt_bias)
+        whole = p.ga is None  # stage 1 took the whole-chunk path: gc from the chunk start
         kda_bwd_v_kernel[(NT * (NKS + 1), HV)](
             x.v, x.beta, p.u, vn, h, dhs, do, dvn, p.xs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, dv,
             scale=opts.scale, K=K, V=V, BKS=BKS, NKS=NKS, BV=BV, BS=BS, MIRROR=whole, **beta_kw, **where,
             **launch_options(LAUNCH, "v", BK, BV))
         kda_bwd_k_kernel[(NT, HV)](
-            x.k, x.g, x.A_log, x.dt_bias, x.beta, p.w, p.gc, p.ls, p.xs, p.rs, s_dw, s_dL, s_db, dbeta,
-            H=H, K=K, BK=BK, BS=BS, WHOLE=whole, **gate, **beta_kw, **where, **launch_options(LAUNCH, "k", BK, BV))
+            x.k, x.beta, p.w, p.gc, p.ls, p.xs, p.rs, s_dw, s_dL, s_db, dbeta,
+            H=H, K=K, BK=BK, BS=BS, WHOLE=whole, **beta_kw, **where, **launch_options(LAUNCH, "k", BK, BV))
+        gate = gate_launch(opts, x.A_log, x.dt_bias)
         if whole:
             BSC = min(GATE_CHUNK_SLICE, BK)
             NSC = cdiv(K, BSC)
             dA_part = new_empty(NT, HV, NSC, **f32) if x.A_log is not None else None
             kda_bwd_gate_chunk_kernel[(NT * NSC, HV)](
-                x.q, x.k, x.g, x.A_log, x.dt_bias, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
+                x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
                 dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=BSC, NSK=NSC, **gate,
                 **{**where, "PREC": PAIR_PREC[x.q.dtype]}, **launch_options(LAUNCH, "gate_chunk", BK, BV))
         else:

@@ -46,7 +46,7 @@ def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: b
     if intra is None:
         whole = opts.safe_gate and (not train or whole_backward(opts, x.q.dtype))
         intra = fwd_intra(opts, x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, x.cu_seqlens_cpu, whole)
-    p = fwd_wu(opts, intra, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens)
+    p = fwd_wu(opts, intra, x.q, x.k, x.v, x.beta, x.cu_seqlens)
     o, ht, h, vn = fwd_scan(opts, p, x.initial_state, x.cu_seqlens, x.v.dtype, *dot_config(x.q.dtype),
                             outputs=outputs, keep=keep)
     return p, o, ht, h, vn

@@ -87,12 +87,20 @@ def _put(x, b_x, bos, t0, T_seq, i_head, NH: tl.constexpr, D: tl.constexpr, o_i,
 
 @triton.jit
 def _c(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_i, o_d):
-    """Block-local cumulative gates stored in gc (the block path) at rows t0 + o_i: a padding row
-    repeats the last token's (its gate is 0); all 0 when t0 is past the end (a block of padding only)."""
+    """Cumulative gates stored in gc at rows t0 + o_i (block-local in the block path, from the chunk
+    start in the whole-chunk path): a padding row repeats the last token's (its gate is 0); all 0
+    when t0 is past the end (a block of padding only)."""
     o_t = tl.minimum(t0 + o_i, T_seq - 1)
     p = gc + (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :]
     b_c = tl.load(p, mask=(o_d < K)[None, :], other=0.0)
     return tl.where(t0 < T_seq, b_c, 0.0)
+
+
+@triton.jit
+def _c_last(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, o_d):
+    """The cumulative gates from the chunk start (whole-chunk path) at the chunk's last token  [BS]."""
+    o_last = (bos + tl.minimum(t0 + C - 1, T_seq - 1)) * (HV * K) + i_hv * K
+    return tl.load(gc + o_last + o_d, mask=o_d < K, other=0.0)
 
 
 @triton.jit
@@ -134,26 +142,6 @@ def _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV: tl.cons
     b_g = _tile(g, bos, t0, T_seq, i_hv, HV, K, o_r, o_d)
     b_g = activate_gate(b_g, A_log, dt_bias, i_hv, o_d, o_d < K, lower_bound, GATE, HAS_A, HAS_BIAS, K)
     return tl.where(m, b_g * 1.4426950408889634, 0.0)
-
-
-@triton.jit
-def chunk_gates(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d,
-                GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """(activated gates, their cumulative sums from the chunk start) of a whole chunk's columns
-    o_d, base 2, [C, BS] each: the whole-chunk path computes them where it needs them instead of
-    storing them (padding rows hold a gate of 0, so their sums repeat the last token's)."""
-    b_g = _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A, HAS_BIAS)
-    return b_g, tl.cumsum(b_g, 0)
-
-
-@triton.jit
-def segment_row(b_x, S: tl.constexpr, A: tl.constexpr):
-    """[C, BS]: every row of b_x replaced by row A of its S-row segment."""
-    C: tl.constexpr = b_x.shape[0]
-    BS: tl.constexpr = b_x.shape[1]
-    b_3 = tl.reshape(b_x, [C // S, S, BS])
-    b_a = tl.sum(tl.where((tl.arange(0, S) == A)[None, :, None], b_3, 0.0), 1)  # [C // S, BS]
-    return tl.reshape(tl.broadcast_to(b_a[:, None, :], [C // S, S, BS]), [C, BS])
 
 
 @triton.jit
@@ -291,79 +279,66 @@ def level_pairs(i, j, strict, S: tl.constexpr):
 
 
 @triton.jit
-def _anchored(b_G, o_c, strict, S: tl.constexpr):
+def _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict, S: tl.constexpr):
     """Level S of a chunk's pairs (docs/math.md section 3): (mask [C, C] of its pairs i >= j + strict,
     row factors e^(G - G_a), column factors e^(G_a - G) [C, BS]) with one anchor a per row and
-    column, from the cumulative gates b_G [C, BS] of the chunk. S = 16: the diagonal blocks,
-    anchored at their middle token (factors up to 8 gates, |exponent| <= 58 for bounded gates).
-    S = 32, 64: every S-row segment's second half against its first, anchored at the first half's
-    last token: exponents <= 0 on the pairs kept, clamped at 0 elsewhere (finite, discarded)."""
+    column. S = 16: the diagonal blocks, anchored at their middle token (factors up to 8 gates,
+    |exponent| <= 58 for bounded gates). S = 32, 64: every S-row segment's second half against its
+    first, anchored at the first half's last token: exponents <= 0 on the pairs kept, clamped at 0
+    elsewhere (finite, discarded)."""
     if S == 16:
-        b_a = segment_row(b_G, 16, 8)  # each row's anchor
+        b_a = _c(gc, bos, t0, T_seq, i_hv, HV, K, (o_c // 16) * 16 + 8, o_d)  # each row's anchor
         b_r = tl.exp2(b_G - b_a)
         b_c = tl.exp2(b_a - b_G)
     else:
-        b_a = segment_row(b_G, S, S // 2 - 1)
+        b_a = _c(gc, bos, t0, T_seq, i_hv, HV, K, (o_c // S) * S + S // 2 - 1, o_d)
         b_r = tl.exp2(tl.minimum(b_G - b_a, 0.0))
         b_c = tl.exp2(tl.minimum(b_a - b_G, 0.0))
     return level_pairs(o_c[:, None], o_c[None, :], strict, S), b_r, b_c
 
 
 @triton.jit
-def _level(b_A, b_x, b_k, b_G, o_c, strict, S: tl.constexpr, PREC: tl.constexpr):
+def _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict,
+           S: tl.constexpr, PREC: tl.constexpr):
     """Add level S of a chunk's Aqk (b_x = q) or Akk (b_x = k, ``strict`` = 1: below the diagonal
     only) for one feature slice: a [C, C] product whose entries outside the level are discarded."""
-    m, b_r, b_c = _anchored(b_G, o_c, strict, S)
+    m, b_r, b_c = _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, strict, S)
     return b_A + tl.where(m, tl.dot(b_x * b_r, tl.trans(b_k * b_c), input_precision=PREC), 0.0)
 
 
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_intra_chunk_kernel(
-    q, k, g, A_log, dt_bias, rs, Aqk, ls, gl, cu_seqlens, chunk_indices, scale, lower_bound, T,
+    q, k, gc, rs, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Bounded gates (the safe path), two programs per chunk: Aqk (times scale; part 0) or Akk (to
-    the scratch ls; part 1) of the whole chunk as [C, C] products level by level. Each computes the
-    chunk's gates and their cumulative sums from the chunk start itself (``chunk_gates``; for gates
-    of at least -5, -7.22 in base 2, |G| <= 462, so the difference of two such sums carries an error
-    of about 1e-4 at most) and the row norms of what it reads: part 0 stores 1/|q|, part 1 1/|k|
-    and the chunk decay gl. (One program for both matrices held 255 registers, 2 blocks per SM.)"""
+    the scratch ls; part 1) of the whole chunk as [C, C] products level by level, from the
+    cumulative gates of the whole chunk (gc, from the gates kernel in WHOLE mode). For gates of at
+    least -5 (-7.22 in base 2) |G| <= 462, so the difference of two such sums carries an error of
+    about 1e-4 at most. (One program for both matrices held 255 registers, 2 blocks per SM.)"""
     i_m, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 2)
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, C)
     rs += i_p * 2 * C
     b_A = tl.zeros([C, C], tl.float32)
-    b_ssx = tl.zeros([C], tl.float32)  # squared row norms of q (part 0) or k (part 1)
-    b_ssk = tl.zeros([C], tl.float32)
     for s in range(0, BK, BS):
         o_d = s + tl.arange(0, BS)
-        b_g, b_G = chunk_gates(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A,
-                               HAS_BIAS)  # [C, BS]
+        b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)  # [C, BS]
         b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d)
         if i_m == 0:
             b_x = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d)
         else:
             b_x = b_k
-            tl.store(gl + i_p * K + o_d, tl.exp2(tl.sum(b_g, 0)), mask=o_d < K)
-        b_ssx += tl.sum(b_x * b_x, 1)
-        b_ssk += tl.sum(b_k * b_k, 1)
         if C == 64:
-            b_A = _level(b_A, b_x, b_k, b_G, o_c, i_m, 64, PREC)
-        b_A = _level(b_A, b_x, b_k, b_G, o_c, i_m, 32, PREC)
-        b_A = _level(b_A, b_x, b_k, b_G, o_c, i_m, 16, PREC)
-    if L2NORM:
-        b_rx = tl.rsqrt(b_ssx + 1e-6)
-        b_rk = tl.rsqrt(b_ssk + 1e-6)
-    else:
-        b_rx = tl.full([C], 1.0, tl.float32)
-        b_rk = b_rx
-    tl.store(rs + i_m * C + o_c, b_rx)
+            b_A = _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 64, PREC)
+        b_A = _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 32, PREC)
+        b_A = _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 16, PREC)
+    b_rk = tl.load(rs + C + o_c)[None, :]
     if i_m == 0:
-        _put(Aqk, b_A * (b_rx * scale)[:, None] * b_rk[None, :], bos, t0, T_seq, i_hv, HV, C, o_c, o_c)
+        _put(Aqk, b_A * (tl.load(rs + o_c) * scale)[:, None] * b_rk, bos, t0, T_seq, i_hv, HV, C, o_c, o_c)
     else:
-        tl.store(ls + i_p * C * C + o_c[:, None] * C + o_c[None, :], b_A * b_rx[:, None] * b_rk[None, :],
+        tl.store(ls + i_p * C * C + o_c[:, None] * C + o_c[None, :], b_A * tl.load(rs + C + o_c)[:, None] * b_rk,
                  mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16))
 
 
@@ -397,21 +372,36 @@ def _mm(a, b):
 
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_gates_kernel(
-    q, k, g, A_log, dt_bias, gc, ga, rs, cu_seqlens, chunk_indices, lower_bound, T,
+    q, k, g, A_log, dt_bias, gc, ga, gl, rs, cu_seqlens, chunk_indices, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
+    WHOLE: tl.constexpr,
 ):
-    """Block b of a chunk (the block path): activated gates (ga), block-local cumulative sums (gc),
-    1/|q| and 1/|k| of its rows (rs)."""
-    b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, C // 16)
+    """Block b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
+    of its rows (rs). With WHOLE (bounded gates), the whole chunk in one program: gc holds the
+    cumulative sums from the chunk start (no ga) and the chunk decay gl is stored too."""
+    NSUB: tl.constexpr = 1 if WHOLE else C // 16
+    b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSUB)
     i_h = i_hv // (HV // H)
     rs += i_p * 2 * C
-    tb = t0 + 16 * b
-    o_i = tl.arange(0, 16)
-    if tb < T_seq:
-        _gates(g, A_log, dt_bias, gc, ga, lower_bound, bos, tb, T_seq, i_hv, o_i, HV, K, BK, BS, GATE, HAS_A, HAS_BIAS)
-    tl.store(rs + 16 * b + o_i, _rstd(q, bos, tb, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
-    tl.store(rs + C + 16 * b + o_i, _rstd(k, bos, tb, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
+    if WHOLE:
+        o_c = tl.arange(0, C)
+        for s in range(0, BK, BS):
+            o_d = s + tl.arange(0, BS)
+            b_g = _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A,
+                             HAS_BIAS)
+            _put(gc, tl.cumsum(b_g, 0), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+            tl.store(gl + i_p * K + o_d, tl.exp2(tl.sum(b_g, 0)), mask=o_d < K)
+        tl.store(rs + o_c, _rstd(q, bos, t0, T_seq, i_h, H, K, o_c, BK, BS, L2NORM))
+        tl.store(rs + C + o_c, _rstd(k, bos, t0, T_seq, i_h, H, K, o_c, BK, BS, L2NORM))
+    else:
+        tb = t0 + 16 * b
+        o_i = tl.arange(0, 16)
+        if tb < T_seq:
+            _gates(g, A_log, dt_bias, gc, ga, lower_bound, bos, tb, T_seq, i_hv, o_i, HV, K, BK, BS, GATE, HAS_A,
+                   HAS_BIAS)
+        tl.store(rs + 16 * b + o_i, _rstd(q, bos, tb, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
+        tl.store(rs + C + 16 * b + o_i, _rstd(k, bos, tb, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -482,18 +472,17 @@ def _blocks_around(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_wu_kernel(
-    q, k, v, g, A_log, dt_bias, beta, gc, ga, rs, xs, w, u, qg, kd, cu_seqlens, chunk_indices, scale, lower_bound, T,
+    q, k, v, beta, gc, ga, rs, xs, w, u, qg, kd, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BS: tl.constexpr,
     NSK: tl.constexpr, NSV: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr, WHOLE: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PREC: tl.constexpr, WHOLE: tl.constexpr,
 ):
     """Feature slice i_s of the chunk's w (the first NSK slices) or u (the rest, NSV), the whole
     chunk as one [C, C] x [C, BS] product (0.50 ms at B1 T8192 H64 on the H200, 8 warps; row block
     by row block, [16, 16] x [16, BS] products, took 0.71 ms). The w slices also store their slice
-    of q e^G and k e^(G_last - G). With WHOLE (the whole-chunk path) the slice's gates and their
-    cumulative sums from the chunk start are computed here (``chunk_gates``); otherwise gc holds
-    block-local sums, and the exponents are sums of block sums and of the activated gates ga (never
-    differences of long sums)."""
+    of q e^G and k e^(G_last - G). With WHOLE (the whole-chunk path) gc holds cumulative gates from
+    the chunk start; otherwise block-local ones, and the exponents are sums of block sums and of the
+    activated gates ga (never differences of long sums)."""
     i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK + NSV)
     i_h = i_hv // (HV // H)
     NC: tl.constexpr = C // 16
@@ -506,11 +495,11 @@ def kda_fwd_wu_kernel(
         o_d = i_s * BS + tl.arange(0, BS)
         b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + C + o_c)[:, None]
         b_q = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + o_c)[:, None]
-        if WHOLE:  # cumulative gates from the chunk start
-            b_g, b_G = chunk_gates(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A,
-                                   HAS_BIAS)
+        if WHOLE:  # gc holds the cumulative gates from the chunk start
+            b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
             b_e = tl.exp2(b_G)
-            b_d = tl.exp2(tl.sum(b_g, 0)[None, :] - b_G)  # G at the chunk end minus G
+            b_last = _c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)  # G at the chunk end   [BS]
+            b_d = tl.exp2(b_last[None, :] - b_G)
         else:  # G: own block's cumulative gates + earlier blocks'; G_last - G: the rest of the block + later blocks'
             b_before, b_after = _blocks_around(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d)
             b_e = tl.exp2(_c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + b_before)
@@ -556,7 +545,7 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, who
     """Launch stage 1. ``whole`` (bounded gates only) takes the whole-chunk path: ``gc`` then holds
     cumulative gates from the chunk start and ``ga`` is None (the backward's kernels follow)."""
     p = fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole)
-    return fwd_wu(opts, p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens)
+    return fwd_wu(opts, p, q, k, v, beta, cu_seqlens)
 
 
 def _where(opts, p: Prepared, cu_seqlens) -> dict:
@@ -576,9 +565,8 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
     dev, dt = q.device, q.dtype
     Aqk = new_empty(B, T, HV, C, dtype=dt, device=dev)
     gl = new_empty(NT_total, HV, K, dtype=torch.float32, device=dev)
-    # the block path's block-local cumulative gates and activated gates (the whole-chunk path's
-    # kernels compute theirs where they need them)
-    gc, ga = (None, None) if whole else (new_empty(B, T, HV, K, dtype=torch.float32, device=dev) for _ in range(2))
+    gc = new_empty(B, T, HV, K, dtype=torch.float32, device=dev)  # cumulative gates (block-local unless whole)
+    ga = None if whole else new_empty(B, T, HV, K, dtype=torch.float32, device=dev)  # activated gates
     ls = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # Akk, lower blocks
     xs = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # (I + L)^-1, lower blocks
     rs = new_empty(NT_total, HV, 2, C, dtype=torch.float32, device=dev)  # 1/|q|, 1/|k| of every row
@@ -593,15 +581,14 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
         # gates, intra and inverse do not see V: their warps follow K alone (V = 2K under context
         # parallelism's fused identity run runs the binaries tuned and tested for V = K); the
         # slice width also stays within V's (16 columns for V <= 16)
-        if whole:  # gates, row norms and the chunk decay in the intra kernel
+        kda_fwd_gates_kernel[(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
+            q, k, g, A_log, dt_bias, gc, ga, gl, rs, H=H, K=K, BK=BK, BS=BS, L2NORM=opts.qk_l2norm, WHOLE=whole,
+            **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
+        if whole:
             kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
-                q, k, g, A_log, dt_bias, rs, Aqk, ls, gl, scale=opts.scale, H=H, K=K, BK=BK,
-                BS=min(CHUNK_SLICE, BK), L2NORM=opts.qk_l2norm, PREC=PREC, **gate, **where,
+                q, k, gc, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=min(CHUNK_SLICE, BK), PREC=PREC, **where,
                 **launch_options(LAUNCH, "chunk", BK, BK))
         else:
-            kda_fwd_gates_kernel[(NT_total * NC, HV)](
-                q, k, g, A_log, dt_bias, gc, ga, rs, H=H, K=K, BK=BK, BS=BS, L2NORM=opts.qk_l2norm, **gate, **where,
-                **launch_options(LAUNCH, "gates", BK, BK))
             kda_fwd_intra_kernel[(NT_total * NC, HV)](
                 q, k, gc, ga, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate, PREC=PREC,
                 **where, **launch_options(LAUNCH, "intra", BK, BK))
@@ -611,7 +598,7 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
     return p
 
 
-def fwd_wu(opts, p: Prepared, q, k, v, g, beta, A_log, dt_bias, cu_seqlens) -> Prepared:
+def fwd_wu(opts, p: Prepared, q, k, v, beta, cu_seqlens) -> Prepared:
     """The rest of stage 1 on the output of ``fwd_intra``: w, u, q e^G and k e^(G_last - G)."""
     s = opts.shape
     B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
@@ -623,8 +610,7 @@ def fwd_wu(opts, p: Prepared, q, k, v, g, beta, A_log, dt_bias, cu_seqlens) -> P
         BS = min(WU_SLICE, BK, BV)
         NSK, NSV = cdiv(K, BS), cdiv(V, BS)
         kda_fwd_wu_kernel[(p.NT_total * (NSK + NSV), HV)](
-            q, k, v, g, A_log, dt_bias, beta, p.gc, p.ga, p.rs, p.xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V,
-            BS=BS, NSK=NSK, NSV=NSV, PREC="ieee" if dt == torch.float32 else "tf32", WHOLE=p.ga is None,
-            SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, **gate_launch(opts, A_log, dt_bias),
-            **_where(opts, p, cu_seqlens), **launch_options(LAUNCH, "wu", BK, BV))
+            q, k, v, beta, p.gc, p.ga, p.rs, p.xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS, NSK=NSK,
+            NSV=NSV, PREC="ieee" if dt == torch.float32 else "tf32", WHOLE=p.ga is None, SIGMOID=opts.beta_sigmoid,
+            BETA_SCALE=opts.beta_scale, **_where(opts, p, cu_seqlens), **launch_options(LAUNCH, "wu", BK, BV))
     return p._replace(w=w, u=u, qg=qg, kd=kd)
