@@ -43,10 +43,13 @@ def main():
     ap.add_argument("--case", default="B1 T8192 H64")
     ap.add_argument("--gate", default=None, help="override the case's gate: safe or softplus")
     ap.add_argument("--backward", action="store_true", help="profile a training step too")
+    ap.add_argument("--libs", default=None, help="comma list of the libraries to profile (default: all found)")
     a = ap.parse_args()
     os.environ.setdefault("FASTKDA_BACKEND", "triton")
     _, B, T, H, seqlens, gate = next(c for c in FORWARD if c[0] == a.case)
     for lib, fn in _impls().items():
+        if a.libs and lib not in a.libs.split(","):
+            continue
         x, kw = make(B, T, H, seqlens, a.gate or gate, grad=a.backward)
         print(f"{lib}: forward, {a.case}")
         with torch.inference_mode():
