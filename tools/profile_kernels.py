@@ -1,7 +1,7 @@
 """Per-kernel GPU time of one chunk_kda forward (and training step) of fastkda and fla-core, from
 the PyTorch profiler: which launch costs what.
 
-    python tools/profile_kernels.py [--case "B1 T8192 H64"] [--backward]
+    python tools/profile_kernels.py [--case "B1 T8192 H64"] [--backward] [--libs fastkda]
 """
 
 from __future__ import annotations
