@@ -70,3 +70,36 @@ def test_bench_cp_render(tmp_path, sections, monkeypatch):
     md = sections["gpu-cp"]
     assert "| 262,144 | 32 | 2 | 25.00 | 1.60x | 125.00 | 1.60x | +25.0 GiB | 4 MiB / 4 MiB |" in md
     assert "| 1,048,576 | 32 | 1 | 160.00 | 1.00x | out of memory | - | - | - |" in md
+
+
+def test_ncu_step_table(tmp_path):
+    """tools/ncu_step.py's table of a Nsight Compute text report (the report's layout, cut down)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import ncu_step
+
+    def kernel(name, grid, block, duration, unit, regs, spills):
+        return f"""  {name} ({grid}, 64, 1)x({block}, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Section: GPU Speed Of Light Throughput
+    ----------------------- ----------- ------------
+    DRAM Throughput                   %        19.62
+    Duration                         {unit}       {duration}
+    L1/TEX Cache Throughput           %        65.73
+    Compute (SM) Throughput           %        31.74
+    Section: Memory Workload Analysis
+    Local Memory Spilling Requests                        {spills}
+    Local Memory Spilling Request Overhead           %      no data
+    Section: Warp State Statistics
+    Warp Cycles Per Issued Instruction             cycle         6.16
+    Section: Launch Statistics
+    Registers Per Thread             register/thread             {regs}
+    Section: Occupancy
+    Achieved Occupancy                        %        12.31
+"""
+    report = tmp_path / "report.txt"
+    report.write_text("==PROF== Connected to process 1\n" + kernel("kda_a_kernel", 256, 128, "726.72", "us", 255, "1,900,544")
+                      + kernel("kda_b_kernel", 2, 256, "1.54", "ms", 168, 0) + "==PROF== Disconnected\n")
+    rows = ncu_step.table(str(report)).splitlines()
+    assert rows[0].startswith("| kernel | grid x block | time | DRAM% |")
+    assert rows[2] == "| kda_a_kernel | 16384 x 128 | 726.72 us | 19.62 | 65.73 | 31.74 | 255 | 12.31 | 1,900,544 | 6.16 |"
+    assert rows[3] == "| kda_b_kernel | 128 x 256 | 1.54 ms | 19.62 | 65.73 | 31.74 | 168 | 12.31 | 0 | 6.16 |"
+    assert len(rows) == 4

@@ -32,8 +32,8 @@ def table(path: str) -> str:
         name, gx, gy, gz, bx, body = parts[i:i + 6]
         cells = []
         for metric in COLUMNS:
-            m = re.search(re.escape(metric) + r"\s+(\S+)\s+([\d,.]+)\n", body) or \
-                re.search(re.escape(metric) + r"\s+([\d,.]+)\n", body)
+            m = re.search(re.escape(metric) + r"\s+(\S+)\s+([\d,.]+)$", body, re.M) or \
+                re.search(re.escape(metric) + r"\s+([\d,.]+)$", body, re.M)
             if not m:
                 cells.append("-")
             elif metric == "Duration":
