@@ -74,8 +74,8 @@ def main():
     while procs or running:
         while procs and len(running) < a.jobs:
             i = procs.pop(0)
-            running.append(subprocess.Popen([sys.executable, __file__, "--case", a.case, "--gates", a.gates,
-                                             *[f"--set={x}" for x in a.set], *(["--configs", a.configs] if a.configs else []),
+            extra = [*(f"--set={x}" for x in a.set), *(["--configs", a.configs] if a.configs else [])]
+            running.append(subprocess.Popen([sys.executable, __file__, "--case", a.case, "--gates", a.gates, *extra,
                                              "--only", str(i)]))
         running[0].wait()
         running.pop(0)
