@@ -95,3 +95,30 @@ def test_kda_gate_chunk_cumsum(backend, mode, lb, has_A, has_bias, varlen, chunk
             for c in range(s, e, chunk):
                 want[r, c: min(c + chunk, e)] = act[r, c: min(c + chunk, e)].cumsum(0) * scale
     check("chunk cumsum", y, want, 1e-6)
+
+
+
+@pytest.mark.parametrize("backend", sorted(set(GATE_BACKENDS) & set(CUMSUM_BACKENDS)))
+def test_gates_take_strided_parameters(backend, rng):
+    """Strided A_log, dt_bias (as [HV, K] too) and cu_seqlens give what contiguous copies give (the
+    Triton kernels index them densely), with gradients in the parameters' own shapes."""
+    H, K = 2, 24
+    g = torch.randn(1, 30, H, K, generator=rng).to(DEVICE)
+    A = torch.randn(H, 2, generator=rng).to(DEVICE).requires_grad_()
+    b = torch.randn(H, 2 * K, generator=rng).to(DEVICE).requires_grad_()
+    A_c = A.detach()[:, 0].contiguous().requires_grad_()
+    b_c = b.detach()[:, ::2].reshape(H * K).contiguous().requires_grad_()
+    cu = torch.tensor([0, 0, 7, 0, 30, 0], device=DEVICE)[::2]
+    assert not (A[:, 0].is_contiguous() or b[:, ::2].is_contiguous() or cu.is_contiguous())
+    with use_backend(backend):
+        got = kda_gate_chunk_cumsum(g, A.detach()[:, 0], 16, dt_bias=b.detach()[:, ::2], cu_seqlens=cu)
+        want = kda_gate_chunk_cumsum(g, A_c.detach(), 16, dt_bias=b_c.detach(), cu_seqlens=cu.contiguous())
+        y = fused_kda_gate(g, A[:, 0], b[:, ::2])
+        y_c = fused_kda_gate(g, A_c, b_c)
+    assert torch.equal(got, want)
+    check("gate", y, y_c, 1e-6)
+    dA, db = torch.autograd.grad(y.sum(), (A, b))
+    dA_c, db_c = torch.autograd.grad(y_c.sum(), (A_c, b_c))
+    check("dA_log", dA[:, 0], dA_c, 1e-6)
+    check("ddt_bias", db[:, ::2].reshape(-1), db_c, 1e-6)
+    assert not dA[:, 1].any() and not db[:, 1::2].any()

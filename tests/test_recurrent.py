@@ -204,14 +204,15 @@ def test_pool_read_only_returns_final_states(backend, rng):
 @pytest.mark.parametrize(
     "idx,acc,match",
     [
-        ([0, 7, 1], None, r"outside \[0, 6\)|slot 7"),
-        ([0, -3, 1], None, r"outside \[0, 6\)|slot -3"),
-        ([[0, 1], [2, 9], [3, 4]], [1, 1, 2], r"outside \[0, 6\)|slot 9"),
-        ([[0, 1], [2, 5], [3, 4]], [1, 3, 1], r"num_accepted_tokens\[1\]"),
+        ([0, 7, 1], None, r"outside \[0, 6\) other than -1 \(padding\): 7;|slot 7 at"),
+        ([0, -3, 1], None, r"outside \[0, 6\) other than -1 \(padding\): -3;|slot -3 at"),
+        ([[0, 1], [2, 9], [3, 4]], [1, 1, 2], r"outside \[0, 6\) other than -1 \(padding\): \[2, 9\];|slot 9 at"),
+        ([[0, 1], [2, 5], [3, 4]], [1, 3, 1], r"num_accepted_tokens\[1\]`? must be in \[1, 2\], got 3|num_accepted_tokens\[1\]`=3"),
     ],
 )
 def test_bad_indices_change_nothing(backend, idx, acc, match, rng):
-    """One bad index anywhere: a ValueError, and not a single pool slot changes."""
+    """One bad index anywhere: a ValueError naming it and its value, and not a single pool slot
+    changes."""
     case = Case(B=3, T=1, H=1, HV=2, initial_state=False, final_state=False)
     x = make_inputs(case, device=DEVICE, generator=rng)
     pool = torch.randn(6, 2, 32, 32, device=DEVICE)
@@ -344,3 +345,74 @@ def test_bad_index_without_raising(backend, rng):
         assert torch.equal(pool, snap)
         with pytest.raises(TypeError, match="raise_on_bad_index"):
             fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=good, raise_on_bad_index=None)
+
+
+def _strided(t):
+    """The same values as ``t`` in a non-contiguous tensor (every other element of a wider one)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device) if t.ndim else None
+    wide[..., ::2] = t
+    out = wide[..., ::2]
+    assert not out.is_contiguous() and torch.equal(out, t)
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", [False, True])
+def test_strided_index_and_parameter_tensors(backend, spec, rng):
+    """Non-contiguous ssm_state_indices, num_accepted_tokens, A_log, dt_bias and cu_seqlens give
+    what their contiguous copies give, pools included (the Triton kernels index them densely)."""
+    lens = (2, 0, 1) if spec else (1, 1, 1)
+    case = Case(seqlens=lens, H=1, HV=2, K=16, V=16, gate="softplus", initial_state=False, final_state=False)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    x.pop("safe_gate", None)
+    pool = torch.randn(6, 2, 16, 16, device=DEVICE)
+    if spec:
+        kw = dict(ssm_state_indices=torch.tensor([[5, 1], [-1, -1], [0, 3]], device=DEVICE),
+                  num_accepted_tokens=torch.tensor([2, 1, 1], device=DEVICE))
+    else:
+        kw = dict(ssm_state_indices=torch.tensor([5, -1, 2], device=DEVICE))
+    want_pool = pool.clone()
+    with use_backend(backend):
+        want, _ = fused_recurrent_kda(**x, **kw, initial_state=want_pool, inplace_final_state=True)
+        strided = {n: _strided(t) for n, t in kw.items()}
+        if spec:  # rows of a wider [N, 4] table: column stride 2 as well as row stride 4
+            strided["ssm_state_indices"] = torch.stack([kw["ssm_state_indices"]] * 2, -1).flatten(1)[:, ::2]
+            assert torch.equal(strided["ssm_state_indices"], kw["ssm_state_indices"])
+        xs = {**x, **{n: _strided(x[n]) for n in ("A_log", "dt_bias", "cu_seqlens")}}
+        got_pool = pool.clone()
+        got, _ = fused_recurrent_kda(**xs, **strided, initial_state=got_pool, inplace_final_state=True)
+    assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
+    assert not torch.equal(got_pool, pool)  # the calls wrote their slots
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_pool_written_in_place(backend, rng):
+    """A pool that is one layer's view of a wider cache (non-contiguous) is read and written in
+    place like a contiguous one; the rest of the wider cache stays as it was."""
+    case = Case(B=3, T=1, H=1, HV=2, K=16, V=16, initial_state=False, final_state=False)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    idx = torch.tensor([3, -1, 1], device=DEVICE)
+    cache = torch.randn(4, 2, 16, 24, device=DEVICE)
+    before = cache.clone()
+    pool = cache[..., :16]
+    assert not pool.is_contiguous()
+    dense = pool.clone()
+    with use_backend(backend):
+        want, _ = fused_recurrent_kda(**x, initial_state=dense, ssm_state_indices=idx, inplace_final_state=True)
+        got, ret = fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
+    assert ret is pool
+    assert torch.equal(got, want) and torch.equal(pool, dense)
+    assert torch.equal(cache[..., 16:], before[..., 16:]) and torch.equal(cache[[0, 2]], before[[0, 2]])
+    assert not torch.equal(cache[3], before[3])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_pool_all_padding(backend, rng):
+    """A pool of no slots with every sequence padding: zeros out, nothing to write, no error."""
+    case = Case(B=2, T=1, H=1, HV=2, K=16, V=16, initial_state=False, final_state=False)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    pool = torch.zeros(0, 2, 16, 16, device=DEVICE)
+    with use_backend(backend):
+        o, ret = fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=torch.tensor([-1, -1], device=DEVICE),
+                                     inplace_final_state=True)
+    assert ret is pool and o.shape == x["v"].shape and not o.any()

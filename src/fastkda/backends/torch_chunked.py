@@ -249,7 +249,10 @@ def recurrent_forward(opts: KDAOptions, x: KDAInputs):
         else:
             start = idx if idx.ndim == 1 else idx[:, 0]
         live = start >= 0  # -1: a padding sequence
-        S = x.initial_state[start.clamp(min=0)].to(cdt) * live[:, None, None, None]
+        if x.initial_state.shape[0]:
+            S = x.initial_state[start.clamp(min=0)].to(cdt) * live[:, None, None, None]
+        else:  # an empty pool: every sequence is padding (the indices were checked above)
+            S = q.new_zeros(N, s.HV, *x.initial_state.shape[2:])
     elif x.initial_state is not None:
         S = x.initial_state.to(cdt)
     else:

@@ -33,7 +33,7 @@ from .scan import fwd_scan
 
 def contiguous_inputs(x: KDAInputs) -> KDAInputs:
     return x._replace(**{n: contiguous(getattr(x, n)) for n in
-                         ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")})
+                         ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens")})
 
 
 def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: bool = False, train: bool = False,

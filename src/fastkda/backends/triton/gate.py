@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import activate_gate, cdiv, chunk_location, chunk_tables, gate_backward, gate_launch, pow2
+from .common import activate_gate, cdiv, chunk_location, chunk_tables, contiguous, gate_backward, gate_launch, pow2
 
 ROWS = 32  # rows (tokens) per program of the elementwise kernels
 
@@ -101,13 +101,13 @@ class _GateFunction(torch.autograd.Function):
 
 
 def gate_forward(opts, g, A_log, dt_bias):
-    return _GateFunction.apply(g, A_log, dt_bias, opts)
+    return _GateFunction.apply(g, contiguous(A_log), contiguous(dt_bias), opts)  # the kernels index them densely
 
 
 def gate_chunk_cumsum(opts, g, A_log, dt_bias, cu_seqlens):
     B, T, HV, K = g.shape
     C = opts.chunk_size
-    g = g.contiguous()
+    g, A_log, dt_bias, cu_seqlens = (contiguous(t) for t in (g, A_log, dt_bias, cu_seqlens))
     y = new_empty(B, T, HV, K, dtype=opts.output_dtype, device=g.device)
     if cu_seqlens is not None:
         chunk_indices, _, NT_total = chunk_tables(cu_seqlens.detach().cpu(), C, g.device)

@@ -163,28 +163,33 @@ def error_buffer(device) -> torch.Tensor:
     return _ERR_BUFFERS[key]
 
 
-def describe_error(code: int, num_slots: int | None = None, cols: int | None = None) -> str:
-    """The message of an error code (the pool size and columns, when known, name the bounds)."""
+def describe_error(code: int, num_slots: int | None = None, cols: int | None = None, idx=None, acc=None) -> str:
+    """The message of an error code (the pool size and columns, when known, name the bounds; the
+    index tensors, when given, the values: read back from the device, on the error path only)."""
     kind, n = code % 4, code // 4
     if kind == ERR_SLOT:
         pool = f"[0, {num_slots})" if num_slots is not None else "the pool"
-        return f"`ssm_state_indices` of sequence {n} holds a slot outside {pool} other than -1 (padding)"
+        got = f": {idx[n].tolist()}" if idx is not None else ""
+        return f"`ssm_state_indices` of sequence {n} holds a slot outside {pool} other than -1 (padding){got}"
     cols_ = cols if cols is not None else "1 + num_draft"
     if kind == ERR_ACCEPTED:
-        return f"`num_accepted_tokens[{n}]` must be in [1, {cols_}]"
+        got = f", got {int(acc[n])}" if acc is not None else ""
+        return f"`num_accepted_tokens[{n}]` must be in [1, {cols_}]{got}"
     return f"sequence {n} has more tokens than the {cols_} slots per sequence of `ssm_state_indices`"
 
 
 def recurrent_forward(opts, x):
     s = opts.shape
     B, T, H, HV, K, V, N = s.B, s.T, s.H, s.HV, s.K, s.V, s.N
-    q, k, v, g, beta = (contiguous(t) for t in (x.q, x.k, x.v, x.g, x.beta))
+    # the kernels index every tensor as contiguous (the parameters and index tensors are small)
+    x = x._replace(**{n: contiguous(getattr(x, n)) for n in (
+        "q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "ssm_state_indices", "num_accepted_tokens")})
+    q, k, v, g, beta = x.q, x.k, x.v, x.g, x.beta
     dev = q.device
-    h0 = x.initial_state
-    if h0 is not None and not h0.is_contiguous():
-        if opts.inplace_final_state:
-            raise ValueError("`initial_state` must be contiguous when it is written in place")
-        h0 = h0.contiguous()
+    # a strided pool (e.g. one layer's view of a wider cache) runs on a contiguous copy, copied back
+    # into it at the end when written in place (a copy of the whole pool each way: keep pools
+    # contiguous where speed matters)
+    h0 = contiguous(x.initial_state)
     o = new_empty(B, T, HV, V, dtype=v.dtype, device=dev)
     ht = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev) if (
         opts.output_final_state and not opts.inplace_final_state) else None
@@ -213,9 +218,9 @@ def recurrent_forward(opts, x):
     if raises:
         code = int(err[0].item())
         if code:
-            raise ValueError(describe_error(code, num_slots, cols) + "; nothing was written")
+            raise ValueError(describe_error(code, num_slots, cols, idx, acc) + "; nothing was written")
     if opts.inplace_final_state:
-        if h0 is not x.initial_state:  # written into a contiguous copy: nothing to hand back
+        if h0 is not x.initial_state:  # ran on a contiguous copy of a strided pool: copy it back
             x.initial_state.copy_(h0)
         return o, x.initial_state
     return o, ht
