@@ -325,3 +325,36 @@ def test_exclusive_cumsum_keeps_small_prefixes(rng):
     assert abs(y[40, 3] / want[40, 3] - 1) < 1e-6
     naive = x32.cpu().cumsum(0) - x32.cpu()
     assert naive[40, 3] == 0.0 and want[40, 3] > 1e-3
+
+
+@pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
+def test_parameter_layouts(backend, rng):
+    """A_log as [1, 1, HV, 1] (as checkpoints store it), dt_bias as [HV, K], both strided, and a
+    strided cu_seqlens: the same output and gradients as flat contiguous ones, each gradient in its
+    parameter's own shape."""
+    case = grow(Case(seqlens=(9, 0, 40), HV=4, gate="softplus", l2norm=True, beta_sigmoid=True), GPU)
+    x = make_inputs(case, device=DEVICE, requires_grad=True, generator=rng)
+    HV, K = x["g"].shape[-2:]
+
+    def run(x):
+        leaves = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+        with use_backend(backend):
+            o, _ = chunk_kda(**x, chunk_size=case.chunk_size)
+        return o, torch.autograd.grad((o.float() * do).sum(), leaves)
+
+    do = torch.randn(x["v"].shape, generator=rng).float().to(DEVICE)
+    o1, g1 = run(x)
+    A = torch.zeros(1, 1, HV, 2, device=DEVICE)
+    A[..., 0] = x["A_log"].detach().view(1, 1, HV)
+    A_log = A[..., :1].requires_grad_()  # [1, 1, HV, 1], strided
+    b = torch.zeros(HV, 2 * K, device=DEVICE)
+    b[:, ::2] = x["dt_bias"].detach().view(HV, K)
+    dt_bias = b.requires_grad_()[:, ::2]  # [HV, K], strided
+    cu = torch.zeros(2 * x["cu_seqlens"].numel(), dtype=x["cu_seqlens"].dtype, device=DEVICE)
+    cu[::2] = x["cu_seqlens"]
+    assert not (A_log.is_contiguous() or dt_bias.is_contiguous() or cu[::2].is_contiguous())
+    o2, g2 = run({**x, "A_log": A_log, "dt_bias": dt_bias, "cu_seqlens": cu[::2]})
+    assert g2[5].shape == (1, 1, HV, 1) and g2[6].shape == (HV, K)
+    check("o", o2, o1, 1e-6)
+    for name, a, b_ in zip(("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias"), g2, g1):
+        check(name, a.reshape(b_.shape), b_, 1e-6)

@@ -40,8 +40,11 @@ CHUNK_RULES = [
     ("v batch", dict(v=torch.randn(B, T + 1, HV, V)), ValueError, r"`v` must have shape \[B, T, HV, V\].*\[1, 21, 4, 8\]"),
     ("q ndim", dict(q=torch.randn(T, H, K)), ValueError, r"`q` must be 4-D.*\[20, 2, 16\]"),
     ("q type", dict(q=[1.0]), TypeError, r"`q` must be a torch.Tensor, got list"),
-    ("A_log shape", dict(use_gate_in_kernel=True, A_log=torch.randn(H)), ValueError, r"`A_log` must have HV=4 elements.*\[2\]"),
-    ("dt_bias shape", dict(use_gate_in_kernel=True, A_log=torch.randn(HV), dt_bias=torch.randn(HV)), ValueError, r"`dt_bias` must have HV\*K=64 elements.*\[4\]"),
+    ("A_log shape", dict(use_gate_in_kernel=True, A_log=torch.randn(H)), ValueError, r"`A_log` must have shape \[HV\]=\[4\], got shape \[2\]"),
+    ("A_log 2-D", dict(use_gate_in_kernel=True, A_log=torch.randn(2, 2)), ValueError, r"`A_log` must have shape \[HV\]=\[4\], got shape \[2, 2\]"),
+    ("dt_bias shape", dict(use_gate_in_kernel=True, A_log=torch.randn(HV), dt_bias=torch.randn(HV)), ValueError, r"`dt_bias` must have shape \[HV\*K\]=\[64\] \(or \[HV, K\]\), got shape \[4\]"),
+    ("dt_bias transposed", dict(use_gate_in_kernel=True, A_log=torch.randn(HV), dt_bias=torch.randn(K, HV)), ValueError, r"`dt_bias` must have shape .*got shape \[16, 4\]"),
+    ("chunk_size float", dict(chunk_size=64.0), ValueError, r"`chunk_size` must be 32 or 64, got 64\.0"),
     ("initial_state shape", dict(initial_state=torch.randn(B, HV, V, K)), ValueError, r"`initial_state` must have shape \[N, HV, K, V\]=\[1, 4, 16, 8\].*got \[1, 4, 8, 16\]"),
     ("initial_state state_v_first shape", dict(initial_state=h0(), state_v_first=True), ValueError, r"\[N, HV, V, K\]=\[1, 4, 8, 16\]"),
     ("initial_state count", dict(initial_state=h0(2)), ValueError, r"\[N, HV, K, V\]=\[1, 4, 16, 8\].*got \[2, 4, 16, 8\]"),
@@ -85,6 +88,37 @@ def test_cp_context_rules():
         CPContext(cu_seqlens=torch.tensor([0, 10]), rank=0, world_size=3)
     with pytest.raises(ValueError, match=r"must start at 0 and be non-decreasing"):
         CPContext(cu_seqlens=torch.tensor([0, 8, 6]), rank=0, world_size=2)
+    cu = torch.tensor([0, 8])
+    for rank, world in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match=rf"`rank` must be in \[0, world_size\).*rank={rank}, world_size={world}"):
+            CPContext(cu_seqlens=cu, rank=rank, world_size=world)
+    with pytest.raises(TypeError, match=r"`world_size` must be an int or None, got float: 2\.0"):
+        CPContext(cu_seqlens=cu, rank=0, world_size=2.0)
+    with pytest.raises(ValueError, match=r"`rank` and `world_size` are needed.*rank=None, world_size=2"):
+        CPContext(cu_seqlens=cu, world_size=2)  # no process group to take the rank from
+    for bad in (torch.tensor([0.0, 8.5]), torch.tensor([[0, 8]])):
+        with pytest.raises(ValueError, match=r"`cu_seqlens` must be a 1-D integer tensor"):
+            CPContext(cu_seqlens=bad, rank=0, world_size=2)
+
+
+def test_cp_context_must_match_the_process_group(tmp_path):
+    """With torch.distributed initialised, a rank or world size that is not the group's is an
+    error (a CPContext of another size would shard and combine wrongly)."""
+    import torch.distributed as dist
+
+    from fastkda.distributed import CPContext
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert (CPContext(cu_seqlens=torch.tensor([0, 8])).rank, CPContext(cu_seqlens=torch.tensor([0, 8])).world_size) == (0, 1)
+        with pytest.raises(ValueError, match=r"`world_size`=2 differs from the process group's world_size 1"):
+            CPContext(cu_seqlens=torch.tensor([0, 8]), rank=0, world_size=2)
+        with pytest.raises(ValueError, match=r"`rank`=1 differs from the process group's rank 0"):
+            CPContext(cu_seqlens=torch.tensor([0, 8]), rank=1, world_size=1)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_valid_base_call_runs():
@@ -150,7 +184,7 @@ def test_gate_helpers_validate():
     g = torch.randn(2, 5, HV, K)
     with pytest.raises(ValueError, match=r"`A_log` must be given"):
         fused_kda_gate(g)
-    with pytest.raises(ValueError, match=r"`dt_bias` must have HV\*K=64"):
+    with pytest.raises(ValueError, match=r"`dt_bias` must have shape \[HV\*K\]=\[64\] \(or \[HV, K\]\), got shape \[3\]"):
         fused_kda_gate(g, torch.randn(HV), torch.randn(3))
     with pytest.raises(ValueError, match=r"`chunk_size` must be a positive power of two, got 48"):
         kda_gate_chunk_cumsum(g, torch.randn(HV), 48)

@@ -173,12 +173,13 @@ def _gate_params(
         raise ValueError("`A_log` must be given when `use_gate_in_kernel=True` and `lower_bound` is None, got A_log=None")
     if A_log is not None:
         _float_dtype("A_log", A_log)
-        if A_log.numel() != HV:
-            raise ValueError(f"`A_log` must have HV={HV} elements (shape [HV]), got shape {list(A_log.shape)}")
+        # [HV], or with unit dimensions around it as some checkpoints store it ([1, 1, HV, 1])
+        if [d for d in A_log.shape if d != 1] != ([HV] if HV != 1 else []) or A_log.numel() != HV:
+            raise ValueError(f"`A_log` must have shape [HV]=[{HV}], got shape {list(A_log.shape)}")
     if dt_bias is not None:
         _float_dtype("dt_bias", dt_bias)
-        if dt_bias.numel() != HV * K:
-            raise ValueError(f"`dt_bias` must have HV*K={HV * K} elements (shape [HV*K]), got shape {list(dt_bias.shape)}")
+        if tuple(dt_bias.shape) not in ((HV * K,), (HV, K)):  # a [K, HV] bias would be read transposed
+            raise ValueError(f"`dt_bias` must have shape [HV*K]=[{HV * K}] (or [HV, K]), got shape {list(dt_bias.shape)}")
     _same_device(ref, A_log=A_log, dt_bias=dt_bias)
     return GateMode.SOFTPLUS if lower_bound is None else GateMode.LOWER_BOUND
 
@@ -291,7 +292,7 @@ def chunk_options(
     )
     for name, val in flags.items():
         _bool(name, val)
-    if isinstance(chunk_size, bool) or chunk_size not in (32, 64):
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in (32, 64):
         raise ValueError(f"`chunk_size` must be 32 or 64, got {chunk_size!r}")
     if cp_context is not None:
         from .distributed.cp import CPContext

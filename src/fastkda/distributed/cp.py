@@ -55,11 +55,26 @@ class CPContext:
     def __post_init__(self):
         if self.cu_seqlens is None:
             raise ValueError("`cu_seqlens` (the global sequence boundaries) is required for a CPContext")
-        if self.rank is None:
-            self.rank = dist.get_rank(self.group)
-        if self.world_size is None:
-            self.world_size = dist.get_world_size(self.group)
-        cu = [int(x) for x in torch.as_tensor(self.cu_seqlens).tolist()]
+        for name in ("rank", "world_size"):
+            val = getattr(self, name)
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int)):
+                raise TypeError(f"`{name}` must be an int or None, got {type(val).__name__}: {val!r:.80}")
+        if dist.is_available() and dist.is_initialized():  # given values must be the group's
+            for name, val in (("rank", dist.get_rank(self.group)), ("world_size", dist.get_world_size(self.group))):
+                if getattr(self, name) is None:
+                    setattr(self, name, val)
+                elif getattr(self, name) != val:
+                    raise ValueError(f"`{name}`={getattr(self, name)} differs from the process group's {name} {val}")
+        elif self.rank is None or self.world_size is None:
+            raise ValueError("`rank` and `world_size` are needed when torch.distributed is not initialised, "
+                             f"got rank={self.rank}, world_size={self.world_size}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"`rank` must be in [0, world_size) with world_size >= 1, got rank={self.rank}, "
+                             f"world_size={self.world_size}")
+        cu_t = torch.as_tensor(self.cu_seqlens)
+        if cu_t.ndim != 1 or cu_t.dtype.is_floating_point or cu_t.dtype.is_complex or cu_t.dtype == torch.bool:
+            raise ValueError(f"`cu_seqlens` must be a 1-D integer tensor [N+1], got {cu_t.dtype} of shape {list(cu_t.shape)}")
+        cu = [int(x) for x in cu_t.tolist()]
         if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"`cu_seqlens` must start at 0 and be non-decreasing, got {cu[:8]}")
         T = cu[-1]

@@ -564,7 +564,8 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
     elif x.dt_bias is not None or x.A_log is not None:  # no tokens: zero parameter gradients
         dA_part = torch.zeros(1, HV, 1, **f32) if x.A_log is not None else None
         dbias_part = torch.zeros(1, HV, K, **f32) if x.dt_bias is not None else None
-    dA_log = dA_part.sum(0).sum(-1).to(x.A_log.dtype) if x.A_log is not None else None
-    ddt_bias = dbias_part.sum(0).view(-1).to(x.dt_bias.dtype) if x.dt_bias is not None else None
+    # in the parameters' own shapes ([HV] or with unit dimensions; [HV*K] or [HV, K])
+    dA_log = dA_part.sum(0).sum(-1).view(x.A_log.shape).to(x.A_log.dtype) if x.A_log is not None else None
+    ddt_bias = dbias_part.sum(0).view(x.dt_bias.shape).to(x.dt_bias.dtype) if x.dt_bias is not None else None
     return s_dqg, s_dkd, dv, dg, dbeta, dA_log, ddt_bias
 
