@@ -35,13 +35,13 @@ def test_forward_backward(lower_bound, rng):
         assert p.grad.abs().sum() > 0, f"no gradient reaches {name}"
 
 
-@pytest.mark.parametrize("lower_bound", [None, -3.0])
-def test_prefill_then_decode_equals_full_forward(lower_bound, rng):
-    m = layer(lower_bound=lower_bound).eval()
+@pytest.mark.parametrize("lower_bound,conv", [(None, 4), (-3.0, 4), (None, 2), (None, 1)])
+def test_prefill_then_decode_equals_full_forward(lower_bound, conv, rng):
+    m = layer(lower_bound=lower_bound, conv_size=conv).eval()
     T, steps = 70, 6
     x = torch.randn(2, T + steps, 64, generator=rng).to(DEVICE)
     with torch.no_grad():
-        full = layer(lower_bound=lower_bound, mode="chunk").eval()(x)
+        full = layer(lower_bound=lower_bound, conv_size=conv, mode="chunk").eval()(x)
         cache = KDACache()
         outs = [m(x[:, :T], cache=cache)]
         for t in range(T, T + steps):
@@ -49,8 +49,9 @@ def test_prefill_then_decode_equals_full_forward(lower_bound, rng):
     check("prefill + decode", torch.cat(outs, 1), full, 2e-5)
 
 
-def test_varlen_equals_per_sequence(rng):
-    m = layer(mode="chunk")
+@pytest.mark.parametrize("conv", [4, 1])
+def test_varlen_equals_per_sequence(conv, rng):
+    m = layer(mode="chunk", conv_size=conv)
     lens = [5, 1, 40, 17]
     xs = [torch.randn(1, n, 64, generator=rng).to(DEVICE) for n in lens]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE)
@@ -60,9 +61,11 @@ def test_varlen_equals_per_sequence(rng):
     check("varlen", y, want, 2e-6)
 
 
-def test_varlen_decode_with_cache(rng):
-    """Two ragged sequences prefilled together (varlen), then one decode step each."""
-    m = layer().eval()
+@pytest.mark.parametrize("conv", [4, 1])
+def test_varlen_decode_with_cache(conv, rng):
+    """Two ragged sequences prefilled together (varlen), then one decode step each (a convolution
+    of one tap keeps no inputs in its cache)."""
+    m = layer(conv_size=conv).eval()
     lens = [9, 30]
     xs = [torch.randn(1, n + 1, 64, generator=rng).to(DEVICE) for n in lens]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE)
@@ -70,8 +73,13 @@ def test_varlen_decode_with_cache(rng):
         cache = KDACache()
         m(torch.cat([x[:, :-1] for x in xs], 1), cache=cache, cu_seqlens=cu)
         step = m(torch.cat([x[:, -1:] for x in xs], 0), cache=cache)
-        want = torch.cat([layer(mode="chunk").eval()(x)[:, -1:] for x in xs], 0)
+        want = torch.cat([layer(mode="chunk", conv_size=conv).eval()(x)[:, -1:] for x in xs], 0)
     check("decode after varlen prefill", step, want, 2e-5)
+
+
+def test_short_convolution_kernel_size():
+    with pytest.raises(ValueError, match=r"`kernel_size` must be a positive int, got 0"):
+        ShortConvolution(8, 0)
 
 
 def test_short_convolution_definition(rng):

@@ -66,6 +66,8 @@ class ShortConvolution(nn.Module):
         super().__init__()
         if activation not in (None, "silu"):
             raise ValueError(f"`activation` must be 'silu' or None, got {activation!r}")
+        if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1:
+            raise ValueError(f"`kernel_size` must be a positive int, got {kernel_size!r}")
         self.hidden_size, self.kernel_size, self.activation = hidden_size, kernel_size, activation
         self.weight = nn.Parameter(torch.empty(hidden_size, 1, kernel_size))
         self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None
@@ -91,10 +93,10 @@ class ShortConvolution(nn.Module):
             t = torch.arange(T, device=x.device)
             src = t[:, None] - (W - 1) + torch.arange(W, device=x.device)[None, :]  # [T, W] input positions
             inside = src >= start[:, None]
-            # a position before its sequence start reads that sequence's cache, slot W-1 + (src - start)
-            slot = (src - start[:, None] + (W - 1)).clamp(0, W - 2)
-            from_cache = cache.to(x.dtype)[seq[:, None], :, slot]  # [T, W, D]
-            win = torch.where(inside[..., None], x[0, src.clamp(min=0)], from_cache)
+            win = x[0, src.clamp(min=0)]  # [T, W, D]
+            if W > 1:  # a position before its sequence start reads that sequence's cache, slot W-1 + (src - start)
+                slot = (src - start[:, None] + (W - 1)).clamp(0, W - 2)
+                win = torch.where(inside[..., None], win, cache.to(x.dtype)[seq[:, None], :, slot])
             win = win.transpose(1, 2)[None]  # [1, T, D, W]
         y = (win * self.weight[:, 0, :].to(x.dtype)).sum(-1)
         if self.bias is not None:
@@ -132,13 +134,17 @@ class ShortConvolution(nn.Module):
 
     def _final_cache(self, x, cache, cu_seqlens):
         W = self.kernel_size
+
+        def last(t):  # the last W - 1 inputs (none for W = 1; t[..., -0:] would keep them all)
+            return t[..., t.shape[-1] - (W - 1):]
+
         if cu_seqlens is None:
-            return torch.cat([cache.to(x.dtype), x.transpose(1, 2)], 2)[..., -(W - 1):].to(cache.dtype)
+            return last(torch.cat([cache.to(x.dtype), x.transpose(1, 2)], 2)).to(cache.dtype)
         cu = cu_seqlens.tolist()
         out = []
         for n in range(len(cu) - 1):
             seq = x[0, cu[n]: cu[n + 1]].transpose(0, 1)  # [D, L]
-            out.append(torch.cat([cache[n].to(x.dtype), seq], 1)[:, -(W - 1):])
+            out.append(last(torch.cat([cache[n].to(x.dtype), seq], 1)))
         return torch.stack(out).to(cache.dtype)
 
 
