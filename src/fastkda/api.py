@@ -8,6 +8,7 @@ import inspect
 
 import torch
 
+from . import platform
 from .backends import registry
 from . import library  # noqa: F401  (registers the torch.library custom ops)
 from .options import chunk_options, recurrent_options
@@ -209,9 +210,7 @@ def decode_error(device=None) -> str | None:
     """
     from .backends.triton import recurrent
 
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    code = recurrent.take_error_code(device)
+    code = recurrent.take_error_code(platform.resolve_device(device))
     return recurrent.describe_error(code) if code else None
 
 

@@ -21,6 +21,8 @@ __all__ = [
     "triton_interpret",
     "is_gpu_tensor",
     "device_name",
+    "resolve_device",
+    "capturing",
 ]
 
 
@@ -64,3 +66,17 @@ def device_name(dev: str = device) -> str:
     import platform as _p
 
     return _p.processor() or _p.machine()
+
+
+def resolve_device(dev=None) -> torch.device:
+    """``dev`` as a torch.device with its index: None is this machine's accelerator (the CPU
+    without one), and a bare "cuda" the current CUDA device."""
+    dev = torch.device(device if dev is None else dev)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def capturing(dev: torch.device) -> bool:
+    """Whether the current stream of ``dev`` is being captured into a CUDA graph."""
+    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import platform
 from ...testing import new_empty
 from .common import activate_gate, cdiv, contiguous, gate_launch, pow2
 
@@ -154,9 +155,7 @@ def error_buffer(device) -> torch.Tensor:
     """The per-device int32 error codes (static, so graphs can capture them): [0] of the last pool
     decode call, [1] the first of the calls that did not raise, until decode_error() reads it.
     "cuda" means the current CUDA device."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = platform.resolve_device(device)
     key = str(device)
     if key not in _ERR_BUFFERS:
         _ERR_BUFFERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
@@ -197,7 +196,7 @@ def recurrent_forward(opts, x):
     err = error_buffer(dev)
     cols = idx.shape[1] if (idx is not None and idx.ndim == 2) else 1
     num_slots = h0.shape[0] if h0 is not None else 0
-    raises = opts.pool and opts.raise_on_bad_index and not _capturing(dev)  # reads the check back
+    raises = opts.pool and opts.raise_on_bad_index and not platform.capturing(dev)  # reads the check back
     if opts.pool:
         kda_check_indices_kernel[(1,)](
             idx, acc, x.cu_seqlens, err, N, T, num_slots, idx.stride(0), COLS=cols, BC=pow2(cols, 1), BN=CHECK_BN,
@@ -224,10 +223,6 @@ def recurrent_forward(opts, x):
             x.initial_state.copy_(h0)
         return o, x.initial_state
     return o, ht
-
-
-def _capturing(device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def take_error_code(device) -> int:
