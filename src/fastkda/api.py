@@ -85,7 +85,7 @@ def chunk_kda(
             cu_seqlens_cpu: its host copy, saves a device-to-host copy.
         cp_context: a :class:`fastkda.distributed.CPContext`: q, k, v, g, beta are this rank's shard
             of one global (varlen) batch; incoming states come from the ranks before it.
-        A_log: ``[HV]``; dt_bias: ``[HV*K]``; chunk_size: 32 or 64.
+        A_log: ``[HV]`` (unit dimensions allowed); dt_bias: ``[HV*K]`` or ``[HV, K]``; chunk_size: 32 or 64.
 
     Returns:
         ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states``.
