@@ -82,7 +82,7 @@ def chunk_kda(
             ``[B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``); inference mode only.
         state_v_first: states are ``[V, K]`` instead of ``[K, V]``.
         cu_seqlens: ``[N+1]`` int32/int64 sequence boundaries of a flattened batch (B = 1);
-            cu_seqlens_cpu: its host copy, saves a device-to-host copy.
+            cu_seqlens_cpu: its host copy, saves a device-to-host copy (must hold the same values).
         cp_context: a :class:`fastkda.distributed.CPContext`: q, k, v, g, beta are this rank's shard
             of one global (varlen) batch; incoming states come from the ranks before it.
         A_log: ``[HV]`` (unit dimensions allowed); dt_bias: ``[HV*K]`` or ``[HV, K]``; chunk_size: 32 or 64.
