@@ -189,3 +189,19 @@ def test_whole_chunk_path_needs_bounded_gates():
     opts, inp = plain_options(x)
     with pytest.raises(ValueError, match="bounded gates"):
         prepare.fwd_prepare(opts, inp.q, inp.k, inp.v, inp.g, inp.beta, None, None, None, None, whole=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_sequences(backend):
+    """No sequences at all (cu_seqlens = [0], or a dense batch of B = 0): outputs shaped like v,
+    final states of N = 0, on every op."""
+    from fastkda import fused_recurrent_kda, kda_gate_chunk_cumsum
+
+    for shape, cu in (((1, 0), torch.tensor([0], device=DEVICE)), ((0, 10), None)):
+        q, k, v = (torch.randn(*shape, 1, 16, device=DEVICE) for _ in range(3))
+        g, beta = -torch.rand(*shape, 1, 16, device=DEVICE), torch.rand(*shape, 1, device=DEVICE)
+        with use_backend(backend):
+            for fn in (chunk_kda, fused_recurrent_kda):
+                o, s = fn(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
+                assert o.shape == v.shape and s.shape == (0, 1, 16, 16), (fn.__name__, cu, o.shape, s.shape)
+            assert kda_gate_chunk_cumsum(g, torch.zeros(1, device=DEVICE), 16, cu_seqlens=cu).shape == g.shape

@@ -37,15 +37,17 @@ class SeqLayout:
         else:
             self.lens = [T] * B
         self.N = len(self.lens)
-        self.NT = max((math.ceil(n / C) for n in self.lens), default=0)
+        # a dense batch keeps its T even when B = 0 (the output is [0, T, ...])
+        self.NT = max((math.ceil(n / C) for n in self.lens), default=0) if self.varlen else math.ceil(T / C)
         self.Tp = self.NT * C
         if self.varlen:
             starts = cu[:-1]
             pos = torch.arange(self.Tp)
-            src = torch.tensor(starts)[:, None] + pos[None, :]
-            valid = pos[None, :] < torch.tensor(self.lens)[:, None]
+            src = torch.tensor(starts, dtype=torch.long)[:, None] + pos[None, :]
+            valid = pos[None, :] < torch.tensor(self.lens, dtype=torch.long)[:, None]
             self.src = torch.where(valid, src, T).to(device)  # T indexes the appended zero row
-            self.dst = torch.cat([n * self.Tp + torch.arange(L) for n, L in enumerate(self.lens)]).to(device)
+            dst = [n * self.Tp + torch.arange(L) for n, L in enumerate(self.lens)]
+            self.dst = (torch.cat(dst) if dst else torch.zeros(0, dtype=torch.long)).to(device)  # no sequences: none
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         if self.varlen:
@@ -61,7 +63,7 @@ class SeqLayout:
 
     def chunk_valid(self) -> torch.Tensor:
         """[N, NT] bool: the chunk holds at least one real token."""
-        nt = torch.tensor([math.ceil(n / self.C) for n in self.lens])
+        nt = torch.tensor([math.ceil(n / self.C) for n in self.lens], dtype=torch.long)
         return torch.arange(self.NT)[None, :] < nt[:, None]
 
 
