@@ -3,7 +3,10 @@
 import logging
 
 import pytest
+import torch
 
+import fastkda
+import fastkda.backends
 from fastkda import BackendUnavailableError, chunk_kda, use_backend
 from fastkda.backends import Backend, register, registry, select
 from fastkda.testing import Case, make_inputs
@@ -121,3 +124,34 @@ def test_triton_is_the_cuda_default(monkeypatch):
         assert name == "triton", reasons
         o = fn(**x)[0]
         assert torch.isfinite(o).all()
+
+
+def test_forward_only_backend_skipped_when_gradients_are_needed(picky):
+    """A backend without the op's backward (``differentiable``) serves only calls that need no
+    gradient; one that does goes on to the next backend, with the reason, and gets its gradients."""
+    x = make_inputs(Case(T=10, K=8, V=8), requires_grad=True)
+    o, _ = chunk_kda(**x)
+    assert picky.calls == 0 and o.requires_grad
+    name, reasons = fastkda.explain(chunk_kda, **x)
+    assert name != "picky-test"
+    assert ("picky-test", "has no backward for chunk_kda, and the call needs gradients") in reasons
+    with torch.no_grad():
+        chunk_kda(**x)
+    assert picky.calls == 1
+    with use_backend("picky-test"), pytest.raises(BackendUnavailableError, match="has no backward for chunk_kda"):
+        chunk_kda(**x)
+    assert fastkda.backends.explain(chunk_kda, **x) == (name, reasons)  # also from the backends package
+
+
+@pytest.mark.skipif("triton" not in [b.name for b in fastkda.backends.backends()], reason="no Triton")
+def test_torch_func_transforms_go_to_the_pytorch_backend():
+    """The Triton kernels take plain tensors only: under torch.func transforms the Triton backend
+    declines with its reason, and the call runs (differentiably) on the PyTorch backend."""
+    x = make_inputs(Case(T=20, K=16, V=16))
+    q = x.pop("q")
+    got = torch.func.grad(lambda q: chunk_kda(q, **x)[0].sum())(q)
+    qq = q.clone().requires_grad_()
+    (want,) = torch.autograd.grad(chunk_kda(qq, **x)[0].sum(), qq)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    with use_backend("triton"), pytest.raises(BackendUnavailableError, match="torch.func transforms"):
+        torch.func.grad(lambda q: chunk_kda(q, **x)[0].sum())(q)

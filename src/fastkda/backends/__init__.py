@@ -11,4 +11,12 @@ if HAS_TRITON:
 
     register(TritonBackend())
 
-__all__ = ["Backend", "BackendUnavailableError", "backends", "dispatch", "get", "register", "select", "use_backend"]
+__all__ = ["Backend", "BackendUnavailableError", "backends", "dispatch", "explain", "get", "register", "select",
+           "use_backend"]
+
+
+def explain(fn, *args, **kwargs):
+    """:func:`fastkda.explain`: the backend ``fn`` would run for these arguments, and why."""
+    from ..api import explain as _explain  # the API module imports this package
+
+    return _explain(fn, *args, **kwargs)

@@ -18,6 +18,8 @@ import os
 import threading
 from typing import Any, Iterator
 
+import torch
+
 log = logging.getLogger("fastkda.backends")
 
 OPS = ("chunk_kda", "fused_recurrent_kda", "kda_gate", "kda_gate_chunk_cumsum")
@@ -91,13 +93,29 @@ def _disabled() -> set[str]:
     return {s.strip() for s in os.environ.get("FASTKDA_DISABLE_BACKENDS", "").split(",") if s.strip()}
 
 
+def needs_grad(inputs: Any) -> bool:
+    """Whether a call with these input tensors (an iterable; other items are ignored) builds a graph."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+
+
+def _check(backend: Backend, op: str, opts: Any, inputs: Any, grad: bool) -> tuple[bool, str]:
+    if op not in backend.ops:
+        return False, f"does not implement {op}"
+    if grad and op not in backend.differentiable:
+        return False, f"has no backward for {op}, and the call needs gradients"
+    return backend.verify(op, opts, inputs)
+
+
 def select(op: str, opts: Any, inputs: Any) -> tuple[Backend, list[tuple[str, str]]]:
-    """The backend for this call and the (name, reason) of every backend considered."""
+    """The backend for this call and the (name, reason) of every backend considered: the first by
+    priority that implements ``op`` (with its backward, when an input requires grad) and whose
+    verifier accepts the call."""
     forced = forced_backend()
     reasons: list[tuple[str, str]] = []
+    grad = needs_grad(inputs)
     if forced is not None:
         backend = get(forced)
-        ok, reason = backend.verify(op, opts, inputs) if op in backend.ops else (False, f"does not implement {op}")
+        ok, reason = _check(backend, op, opts, inputs, grad)
         log.debug("%s: forced backend %s: ok=%s (%s)", op, forced, ok, reason)
         if not ok:
             raise BackendUnavailableError(f"FASTKDA_BACKEND={forced} cannot run {op}: {reason}")
@@ -107,10 +125,7 @@ def select(op: str, opts: Any, inputs: Any) -> tuple[Backend, list[tuple[str, st
         if backend.name in disabled:
             reasons.append((backend.name, "disabled by FASTKDA_DISABLE_BACKENDS"))
             continue
-        if op not in backend.ops:
-            reasons.append((backend.name, f"does not implement {op}"))
-            continue
-        ok, reason = backend.verify(op, opts, inputs)
+        ok, reason = _check(backend, op, opts, inputs, grad)
         reasons.append((backend.name, reason))
         log.debug("%s: backend %s: ok=%s (%s)", op, backend.name, ok, reason)
         if ok:

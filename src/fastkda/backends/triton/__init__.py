@@ -15,7 +15,7 @@ import torch
 
 from ... import platform
 from ...options import KDAInputs, KDAOptions
-from ..registry import Backend, forced_backend
+from ..registry import Backend, forced_backend, needs_grad
 from .function import chunk_kda_autograd, chunk_kda_vjp, contiguous_inputs, forward_stages
 from .recurrent import recurrent_forward
 from . import gate as gate_kernels
@@ -27,13 +27,6 @@ def chunk_forward(opts: KDAOptions, x: KDAInputs):
     """(o, final_state, h) through the two forward stages, without gradients."""
     _, o, ht, h, _ = forward_stages(opts, contiguous_inputs(x))
     return o, ht, h
-
-
-def _wants_grad(x: KDAInputs) -> bool:
-    return torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad
-        for t in (x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.initial_state)
-    )
 
 
 class TritonBackend(Backend):
@@ -54,6 +47,8 @@ class TritonBackend(Backend):
         return False, f"tensors on {t.device.type} (needs an NVIDIA GPU, or TRITON_INTERPRET=1 with CPU tensors)"
 
     def verify(self, op, opts, inputs):
+        if any(isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in inputs):
+            return False, "torch.func transforms (grad, vjp, vmap): the kernels take plain tensors only"
         if op.startswith("kda_gate"):  # inputs: (g, A_log, dt_bias[, cu_seqlens])
             ok, reason = self._device_ok(inputs[0])
             if ok and inputs[0].dtype == torch.float64:
@@ -67,12 +62,10 @@ class TritonBackend(Backend):
         s = opts.shape
         if s.K > MAX_DIM or s.V > MAX_DIM:
             return False, f"K={s.K}, V={s.V}: the Triton kernels take K, V <= {MAX_DIM}"
-        if op == "fused_recurrent_kda" and _wants_grad(inputs):
-            return False, "gradients of fused_recurrent_kda are not implemented in the Triton backend"
         return True, reason
 
     def chunk_kda(self, opts, inputs):
-        if _wants_grad(inputs):
+        if needs_grad(inputs):
             return chunk_kda_autograd(opts, inputs)
         return chunk_forward(opts, inputs)
 
