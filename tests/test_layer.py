@@ -77,6 +77,23 @@ def test_varlen_decode_with_cache(conv, rng):
     check("decode after varlen prefill", step, want, 2e-5)
 
 
+@pytest.mark.parametrize("conv", [4, 0])
+def test_cache_reorder(conv, rng):
+    """KDACache.reorder keeps the chosen sequences in the chosen order: decoding after it equals
+    decoding a cache of those sequences alone (a layer without the convolution too)."""
+    m = layer(conv_size=conv).eval()
+    x = torch.randn(3, 12, 64, generator=rng).to(DEVICE)
+    keep = torch.tensor([2, 0], device=DEVICE)
+    with torch.no_grad():
+        cache, alone = KDACache(), KDACache()
+        m(x[:, :11], cache=cache)
+        cache.reorder(keep)
+        got = m(x[keep, 11:], cache=cache)
+        m(x[keep, :11], cache=alone)
+        want = m(x[keep, 11:], cache=alone)
+    check("decode after reorder", got, want, 1e-6)
+
+
 def test_short_convolution_kernel_size():
     with pytest.raises(ValueError, match=r"`kernel_size` must be a positive int, got 0"):
         ShortConvolution(8, 0)

@@ -165,16 +165,16 @@ class GatedRMSNorm(nn.Module):
 @dataclass
 class KDACache:
     """Per-layer decoding state: ``conv_states[layer] = (q, k, v)`` caches ``[N, dim, conv - 1]``
-    and ``recurrent_states[layer]`` ``[N, HV, K, V]`` float32; N sequences."""
+    (None for a layer without the convolution) and ``recurrent_states[layer]`` ``[N, HV, K, V]``
+    float32; N sequences."""
 
     conv_states: dict = field(default_factory=dict)
     recurrent_states: dict = field(default_factory=dict)
-    seen_tokens: int = 0
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep sequences ``index`` (beam search, finished sequences)."""
         for layer, states in self.conv_states.items():
-            self.conv_states[layer] = tuple(s.index_select(0, index) for s in states)
+            self.conv_states[layer] = tuple(None if s is None else s.index_select(0, index) for s in states)
         for layer, s in self.recurrent_states.items():
             self.recurrent_states[layer] = s.index_select(0, index)
 
