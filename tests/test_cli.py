@@ -37,3 +37,12 @@ def test_bench_forced_backend_named(tmp_path, monkeypatch):
 
 def test_unknown_command(capsys):
     assert main(["nope"]) == 2
+
+
+def test_python_dash_m():
+    """``python -m fastkda`` is the ``fastkda`` command."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "fastkda", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("usage: fastkda {check,bench}"), out.stderr

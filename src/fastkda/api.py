@@ -79,7 +79,8 @@ def chunk_kda(
             the cheap ones (w, u, q e^G, k e^(G_last - G), the states); the Triton backend's
             autograd keeps the intra-chunk matrices either way (docs/api.md).
         return_intermediate_states: also return ``h``, the state at the start of every chunk,
-            ``[B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``); inference mode only.
+            ``[B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``; ``V, K`` last with
+            ``state_v_first``); inference mode only.
         state_v_first: states are ``[V, K]`` instead of ``[K, V]``.
         cu_seqlens: ``[N+1]`` int32/int64 sequence boundaries of a flattened batch (B = 1);
             cu_seqlens_cpu: its host copy, saves a device-to-host copy (must hold the same values).
@@ -93,6 +94,8 @@ def chunk_kda(
     """
     q, k, v, ctx = _autocast_qkv(q, k, v)
     compiling = torch.compiler.is_compiling()
+    if compiling and return_intermediate_states:  # before the options read the inference mode, which tracing cannot
+        raise NotImplementedError("`return_intermediate_states=True` is not supported under torch.compile")
     opts, inputs = chunk_options(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
@@ -112,8 +115,6 @@ def chunk_kda(
         with ctx:
             return chunk_kda_cp(chunk_kda, q, k, v, g, beta, kw, cp_context), None
     if compiling:  # an opaque custom op (fastkda.library) with fake shapes and autograd
-        if return_intermediate_states:
-            raise NotImplementedError("`return_intermediate_states=True` is not supported under torch.compile")
         o, final = torch.ops.fastkda.chunk_kda(
             q, k, v, g, beta, opts.scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, opts.lower_bound,
