@@ -1,6 +1,7 @@
 """torch.compile(fullgraph=True) over code that calls the operators (custom ops with fake shapes
 and autograd)."""
 
+import pytest
 import torch
 from conftest import DEVICE
 from helpers import check
@@ -10,10 +11,13 @@ from fastkda.layers import KimiDeltaAttention
 from fastkda.testing import Case, make_inputs
 
 
-def test_compiled_layer_forward_backward(rng):
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+def test_compiled_layer_forward_backward(mode, rng):
+    """Training through a compiled layer equals eager training (the recurrent op's functional form
+    has a backward too)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 32), KimiDeltaAttention(32, 2, 16, mode="chunk", lower_bound=-5.0)).to(DEVICE)
-    x = torch.randn(2, 40, 32, generator=rng).to(DEVICE)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), KimiDeltaAttention(32, 2, 16, mode=mode, lower_bound=-5.0)).to(DEVICE)
+    x = torch.randn(2, 40 if mode == "chunk" else 12, 32, generator=rng).to(DEVICE)
     eager = model(x)
     eager.square().sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -58,3 +62,19 @@ def test_compiled_operators_varlen_and_pool(rng):
     o_e = step_async(y, pool_e)
     check("decode o, raise_on_bad_index=False", o, o_e, 1e-6)
     assert torch.equal(pool, pool_e)
+
+
+def test_custom_ops_pass_opcheck(rng):
+    """torch.library.opcheck (schema, fake tensors, autograd registration, AOT dispatch) on the
+    differentiable custom ops."""
+    x = make_inputs(Case(B=2, T=5, H=1, HV=2, K=16, V=16, gate="softplus", l2norm=True, beta_sigmoid=True),
+                    device=DEVICE, requires_grad=True, generator=rng)
+    flags = (True, True, True, True, False)  # output_final_state, l2norm, gate, beta sigmoid, neg eigval
+    chunk = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.25, x["initial_state"], *flags, False, None, False, None,
+             x["A_log"], x["dt_bias"], 64)
+    rec = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], 0.25, x["initial_state"], *flags, None,
+           False, None, None, None, False, True)
+    for op, args in ((torch.ops.fastkda.chunk_kda.default, chunk),
+                     (torch.ops.fastkda.fused_recurrent_kda_functional.default, rec)):
+        result = torch.library.opcheck(op, args)
+        assert all(v == "SUCCESS" for v in result.values()), (op, result)

@@ -183,8 +183,9 @@ def fused_recurrent_kda(
         cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
         inplace_final_state=inplace_final_state, raise_on_bad_index=raise_on_bad_index, check_values=not compiling,
     )
-    if compiling:
-        o, final = torch.ops.fastkda.fused_recurrent_kda(
+    if compiling:  # the in-place op (a pool written in place) has no backward; the functional one has
+        op = torch.ops.fastkda.fused_recurrent_kda if inplace_final_state else torch.ops.fastkda.fused_recurrent_kda_functional
+        o, final = op(
             q, k, v, g, beta, inputs.A_log, inputs.dt_bias, opts.scale, initial_state, output_final_state,
             use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
             opts.lower_bound, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state,
