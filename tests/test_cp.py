@@ -20,7 +20,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, lens, seed, backend_name, grads, errfile, fused_max):
+def _worker(rank, world, port, lens, seed, backend_name, grads, errfile, fused_max, subgroups, dtype):
     try:
         torch.set_num_threads(1)
         if fused_max is not None:  # the identity run as a call of its own instead of extra value columns
@@ -29,18 +29,23 @@ def _worker(rank, world, port, lens, seed, backend_name, grads, errfile, fused_m
             cp.FUSED_MAX_COLUMNS = fused_max
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))  # a mismatch fails instead of hanging
+        # `subgroups` context-parallel groups of consecutive ranks (as in a data x context parallel
+        # mesh), each over its own batch; every rank creates every group
+        size = world // subgroups
+        groups = [dist.new_group(list(range(i * size, (i + 1) * size))) for i in range(subgroups)]
+        group, seed = groups[rank // size], seed + 7 * (rank // size)
         from fastkda import chunk_kda, use_backend
         from fastkda.distributed import CPContext
         from fastkda.testing import Case, make_inputs, rel_rms
         from helpers import gate_param_scales, param_error
 
         case = Case(seqlens=tuple(lens), H=1, HV=2, K=16, V=24, gate="softplus", l2norm=True, beta_sigmoid=True,
-                    initial_state=False, final_state=False)
+                    initial_state=False, final_state=False, dtype=dtype)
         x = make_inputs(case, generator=torch.Generator().manual_seed(seed), requires_grad=grads)
         cu = x.pop("cu_seqlens")
         x.pop("output_final_state")
         T = int(cu[-1])
-        do = torch.randn(1, T, 2, 24, generator=torch.Generator().manual_seed(seed + 1))
+        do = torch.randn(1, T, 2, 24, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
         # the single-process run on the whole batch, in float64
         names = [n for n in GRAD_NAMES if isinstance(x.get(n), torch.Tensor)]
         x64 = {n: (t.detach().double().requires_grad_(grads) if n in names else t) for n, t in x.items()}
@@ -51,7 +56,8 @@ def _worker(rank, world, port, lens, seed, backend_name, grads, errfile, fused_m
             scales = gate_param_scales(x, full[names.index("g")])
         # compiled Triton kernels want CUDA tensors (every rank on the one GPU; gloo moves CUDA tensors too)
         dev = "cuda" if backend_name == "triton" and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-        ctx = CPContext(cu_seqlens=cu.to(dev))
+        ctx = CPContext(group=group, cu_seqlens=cu.to(dev))
+        assert ctx.world_size == size
         lo, hi = ctx.lo, ctx.hi
         shard = {n: (t.detach()[:, lo:hi].to(dev).requires_grad_(grads) if n in ("q", "k", "v", "g", "beta")
                      else (t.detach().to(dev).requires_grad_(grads) if isinstance(t, torch.Tensor) else t))
@@ -66,7 +72,7 @@ def _worker(rank, world, port, lens, seed, backend_name, grads, errfile, fused_m
             for n, gl, gf in zip(names, [t.cpu() for t in got], full):
                 if n in ("A_log", "dt_bias"):  # shared parameters: the ranks' gradients add up
                     gl = gl.clone()
-                    dist.all_reduce(gl)
+                    dist.all_reduce(gl, group=group)
                     err = param_error(gl, gf, scales[n])  # see gate_param_scales
                 else:
                     err = rel_rms(gl, gf[:, lo:hi])
@@ -82,11 +88,12 @@ def _worker(rank, world, port, lens, seed, backend_name, grads, errfile, fused_m
     os._exit(0)
 
 
-def _spawn(world, lens, backend="torch", grads=True, tmp_path=None, fused_max=None):
+def _spawn(world, lens, backend="torch", grads=True, tmp_path=None, fused_max=None, subgroups=1, dtype=torch.float32):
     errfile = str(tmp_path / "err.txt")
     seed = int(os.environ.get("FASTKDA_TEST_SEED") or int.from_bytes(os.urandom(3), "little"))
     try:
-        mp.spawn(_worker, args=(world, _free_port(), lens, seed, backend, grads, errfile, fused_max), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), lens, seed, backend, grads, errfile, fused_max, subgroups, dtype),
+                 nprocs=world, join=True)
     except Exception as e:
         msg = open(errfile).read() if os.path.exists(errfile) else ""
         pytest.fail(f"seed={seed} lens={lens}: {type(e).__name__}: {e}\n{msg}")
@@ -111,6 +118,17 @@ def test_cp_identity_run_separate(world, lens, tmp_path):
     default case [5, 150, 0, 60, 41] over 4 ranks takes both ways: rank 1's first segment spans its
     shard, rank 2's covers 27 of 64 tokens)."""
     _spawn(world, lens, tmp_path=tmp_path, fused_max=0)
+
+
+def test_cp_subgroups(tmp_path):
+    """Two context-parallel groups of two ranks each (ranks 0-1 and 2-3, each group over its own
+    batch): group-local ranks in the exchange and its backward."""
+    _spawn(4, [37, 90, 1], tmp_path=tmp_path, subgroups=2)
+
+
+def test_cp_float64(tmp_path):
+    """float64 inputs (the PyTorch backend): the carried states and the exchange stay float64."""
+    _spawn(2, [37, 90, 1], tmp_path=tmp_path, dtype=torch.float64)
 
 
 def test_cp_gloo_triton(tmp_path):

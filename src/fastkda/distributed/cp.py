@@ -98,13 +98,35 @@ class CPContext:
         return torch.tensor(self.local_cu, dtype=torch.int32, device=device)
 
 
-def _all_gather(t: torch.Tensor, ctx: CPContext) -> list[torch.Tensor]:
-    import torch.distributed.nn.functional as dfn
+class _AllGather(torch.autograd.Function):
+    """all_gather over a process group, differentiable: the gradient of this rank's piece is the sum
+    over the ranks of the gradients of that piece (a reduce-scatter on NCCL; an all-reduce of all
+    the pieces' gradients elsewhere, gloo having no reduce-scatter). Ranks are the group's own, so
+    that subgroups (e.g. the context-parallel groups of a larger mesh) work on every backend."""
 
+    @staticmethod
+    def forward(ctx, t, group, world):
+        ctx.group, ctx.world = group, world
+        out = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(out, t, group=group)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        stacked = torch.stack(grads).contiguous()
+        if dist.get_backend(ctx.group) == "nccl":
+            mine = torch.empty_like(stacked[0])
+            dist.reduce_scatter_tensor(mine, stacked, group=ctx.group)
+            return mine, None, None
+        dist.all_reduce(stacked, group=ctx.group)
+        return stacked[dist.get_rank(ctx.group)], None, None
+
+
+def _all_gather(t: torch.Tensor, ctx: CPContext) -> list[torch.Tensor]:
     n = t.numel() * t.element_size()
     ctx.bytes_sent += n
     ctx.bytes_received += n * (ctx.world_size - 1)
-    return list(dfn.all_gather(t.contiguous(), group=ctx.group))
+    return list(_AllGather.apply(t.contiguous(), ctx.group, ctx.world_size))
 
 
 def chunk_kda_cp(run, q, k, v, g, beta, kw: dict, ctx: CPContext):
@@ -117,13 +139,14 @@ def chunk_kda_cp(run, q, k, v, g, beta, kw: dict, ctx: CPContext):
     carried_in = not ctx.fresh[ctx.rank]
     spans = len(ctx.local_cu) == 2  # one segment covers the whole shard
     A_first = Q_eff = None
-    eye = torch.eye(K, device=dev, dtype=torch.float32)
+    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # the states' dtype, as chunk_kda's
+    eye = torch.eye(K, device=dev, dtype=sdt)
     if carried_in and V + K <= FUSED_MAX_COLUMNS and 2 * L0 >= ctx.T_local:
         # the first segment from S_in = I with v = 0 (final state A, outputs A_{1..t}^T scale q_t) as
         # K extra value columns of the same call: state columns evolve independently, so stage 1
         # (gates, Akk, the inverse, w) is shared and only u, the scan and the output grow to V + K
         # columns, over the whole shard; worth it when the first segment is at least half of it
-        h0 = torch.zeros(len(ctx.local_cu) - 1, HV, K, V + K, device=dev, dtype=torch.float32)
+        h0 = torch.zeros(len(ctx.local_cu) - 1, HV, K, V + K, device=dev, dtype=sdt)
         h0[0, :, :, V:] = eye
         o_ext, finals_ext = run(q, k, torch.cat([v, v.new_zeros(*v.shape[:3], K)], -1), g, beta, cu_seqlens=cu,
                                 initial_state=h0, output_final_state=True, state_v_first=False, **kw)
@@ -138,19 +161,19 @@ def chunk_kda_cp(run, q, k, v, g, beta, kw: dict, ctx: CPContext):
                                  cu_seqlens=None, initial_state=eye.expand(1, HV, K, K).contiguous(),
                                  output_final_state=True, state_v_first=False, **kw)
     # this rank's outgoing map S_out = A_out S_in + B_out; A_out = 0 unless one carried-in segment spans the shard
-    A_out = A_first[0] if spans and carried_in else torch.zeros(HV, K, K, device=dev, dtype=torch.float32)
+    A_out = A_first[0] if spans and carried_in else torch.zeros(HV, K, K, device=dev, dtype=sdt)
     B_out = finals[-1]
     # one collective for both maps: the backward then has a single, same-ordered exchange on every rank
     maps = _all_gather(torch.cat([A_out, B_out], -1), ctx)
     As = [m[..., :K] for m in maps]
     Bs = [m[..., K:] for m in maps]
-    S_in = torch.zeros(HV, K, V, device=dev, dtype=torch.float32)
+    S_in = torch.zeros(HV, K, V, device=dev, dtype=sdt)
     for j in range(ctx.rank):
         S_in = As[j] @ S_in + Bs[j]
         if ctx.fresh[j + 1]:
             S_in = torch.zeros_like(S_in)
     if carried_in and L0 > 0:
-        corr = torch.einsum("thk,hkv->thv", Q_eff[0].float(), S_in)
+        corr = torch.einsum("thk,hkv->thv", Q_eff[0].to(sdt), S_in)
         o = torch.cat([o[:, :L0] + corr[None].to(o.dtype), o[:, L0:]], 1)
     # every rank's output touches every gathered map (times 0), so that every rank takes part in
     # the backward collective even when its own state needs nothing from the others

@@ -188,7 +188,8 @@ class KimiDeltaAttention(nn.Module):
         head_dim: K (also V unless ``head_v_dim`` is given).
         conv_size: short convolution width (0 disables it).
         lower_bound: None for the softplus gate; a value in [-5, 0) selects the safe lower-bound gate.
-        mode: "chunk" (default), "fused_recurrent", or "auto" (recurrent for short inputs at inference).
+        mode: "auto" (default: the recurrent kernel for short inputs at inference, else chunked),
+            "chunk" or "fused_recurrent".
         layer_idx: key of this layer in a :class:`KDACache`.
     """
 
