@@ -26,7 +26,7 @@ def random_case(rng, max_len, gate, varlen, gva, beta_mode, l2, vfirst, chunk, s
     """A Case at one point of OPTION_SPACE, with random lengths below max_len."""
     lens = tuple(int(t) for t in torch.randint(0, max_len, (3,), generator=rng)) if varlen else None
     return Case(
-        T=int(torch.randint(1, max_len, (1,), generator=rng)), seqlens=lens, gate=gate, H=1, HV=2 if gva else 1,
+        T=int(torch.randint(1, max_len, (1,), generator=rng)), seqlens=lens, gate=gate, H=2 if gva else 1, HV=4 if gva else 1,
         K=dims[0], V=dims[1], beta_sigmoid=beta_mode != "plain", allow_neg_eigval=beta_mode == "neg", l2norm=l2,
         state_v_first=vfirst, chunk_size=chunk, initial_state=state, final_state=True,
     )

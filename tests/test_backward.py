@@ -164,13 +164,14 @@ def test_triton_pair_sums(axis, dtype, exact, rng, monkeypatch):
     monkeypatch.setattr(bwd_chunk, "EXACT_PAIRS", exact)
     case = grow(BWD_AXES[axis].replace(dtype=dtype), GPU)
     x, got, want = grads("triton", case, rng)
-    check_grads(got, want, x, tol_for(torch.bfloat16 if dtype == torch.float32 else dtype, "triton"))
+    # float32 with the cheaper sum: up to 2e-4 of dg at extreme gates (bwd_chunk.EXACT_PAIRS), float16's budget
+    check_grads(got, want, x, tol_for(torch.float16 if dtype == torch.float32 else dtype, "triton"))
 
 
 WHOLE_BWD_EXTRA = {  # feature widths that are not powers of two, the widest keys, a ragged varlen GVA batch
     "k48_v40": Case(T=90, K=48, V=40, gate="safe", dtype=torch.bfloat16),
     "k256": Case(T=40, K=256, V=32, H=1, HV=1, gate="safe", l2norm=True),
-    "ragged_varlen_gva": Case(seqlens=(1, 70, 0, 47, 18), H=1, HV=3, gate="safe", l2norm=True, beta_sigmoid=True,
+    "ragged_varlen_gva": Case(seqlens=(1, 70, 0, 47, 18), H=2, HV=6, gate="safe", l2norm=True, beta_sigmoid=True,
                               dtype=torch.bfloat16),
 }
 
@@ -181,7 +182,7 @@ def test_whole_chunk_backward(axis, rng, monkeypatch):
     """Bounded gates on every axis: the backward after the whole-chunk stage 1, its gate kernel
     summing every pair of a chunk from row and column sums (docs/math.md section 5). bfloat16
     inputs take it by default and keep their budget; float16 and float32 inputs (the block path by
-    default) are forced through it and held to float16's, the accuracy class of those sums."""
+    default) are forced through it and held to their own (tf32x3 and ieee products)."""
     from fastkda.backends.triton import bwd_chunk
 
     case = bounded(grow(BWD_AXES[axis], GPU) if axis in BWD_AXES else WHOLE_BWD_EXTRA[axis])
@@ -192,7 +193,7 @@ def test_whole_chunk_backward(axis, rng, monkeypatch):
     x, got, want = grads("triton", case, rng)
     if any(t > 0 for t in (case.seqlens or (case.T,))):
         assert launches == ["kda_bwd_gate_chunk_kernel"], launches
-    check_grads(got, want, x, tol_for(torch.float16 if case.dtype == torch.float32 else case.dtype, "triton"))
+    check_grads(got, want, x, tol_for(case.dtype, "triton"))
 
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
@@ -264,7 +265,7 @@ def test_triton_vjp_matches_autograd(case, rng):
 @pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
 def test_backward_deterministic(backend, rng):
     """Two runs of the same backward give bit-identical gradients (no atomics whose order varies)."""
-    case = grow(Case(seqlens=(70, 1, 33), H=1, HV=2, gate="softplus", l2norm=True, beta_sigmoid=True), GPU)
+    case = grow(Case(seqlens=(70, 1, 33), H=2, HV=4, gate="softplus", l2norm=True, beta_sigmoid=True), GPU)
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     _, g1, _, _ = backend_grads(backend, case, torch.Generator().manual_seed(seed))
     _, g2, _, _ = backend_grads(backend, case, torch.Generator().manual_seed(seed))

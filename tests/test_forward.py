@@ -117,7 +117,7 @@ WHOLE_EXTRA = {  # feature widths that are not powers of two, the widest keys; k
     # tier too, where grow() makes every other axis's lengths multiples of 16
     "k48_v40": Case(T=90, K=48, V=40, gate="safe"),
     "k256": Case(T=70, K=256, V=32, H=1, HV=1, gate="safe", l2norm=True),
-    "ragged_varlen_gva": Case(seqlens=(1, 90, 0, 47, 130), H=1, HV=3, gate="safe", l2norm=True, beta_sigmoid=True),
+    "ragged_varlen_gva": Case(seqlens=(1, 90, 0, 47, 130), H=2, HV=6, gate="safe", l2norm=True, beta_sigmoid=True),
 }
 
 

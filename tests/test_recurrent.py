@@ -115,7 +115,7 @@ def test_speculative_decoding_rollback(backend, varlen, rng):
     n_seq, draft, num_slots = 3, 3, 16
     prefix = 20
     total = prefix + 2 * (1 + draft)
-    case = Case(seqlens=(total,) * n_seq, H=1, HV=2, gate="lowerbound", lower_bound=-3.0, beta_sigmoid=True)
+    case = Case(seqlens=(total,) * n_seq, H=2, HV=4, gate="lowerbound", lower_bound=-3.0, beta_sigmoid=True)
     x = _sequence_inputs(case, rng)
     cu = x["cu_seqlens"].tolist()
     opts = {k: x[k] for k in OPTION_KEYS if k in x}

@@ -140,7 +140,7 @@ class Case:
 AXES = {
     "dense": Case(T=100),
     "varlen": Case(seqlens=(1, 64, 0, 63, 65, 7)),
-    "gva": Case(T=80, H=1, HV=3),
+    "gva": Case(T=80, H=2, HV=6),  # two q/k heads: a wrong head mapping shows (with one it cannot)
     "k_ne_v": Case(T=80, K=32, V=48),
     "k64_v16": Case(T=70, K=64, V=16, H=1, HV=1),
     "pregated_safe": Case(T=100, gate="pregated_safe"),
