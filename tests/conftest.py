@@ -87,10 +87,22 @@ def _poison_outputs():
         torch.cuda.empty_cache()
 
 
+TEST_SEED = 0  # this test's seed (set by _fresh_seed)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed():
+    """A fresh seed per test, printed so that ``FASTKDA_TEST_SEED=<seed>`` replays a failure: it
+    seeds torch's global generator (what a test draws without ``rng``) and ``rng``, and
+    ``TEST_SEED`` holds it for tests that build identical modules twice."""
+    global TEST_SEED
+    TEST_SEED = int(os.environ.get("FASTKDA_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"seed={TEST_SEED}")
+    torch.manual_seed(TEST_SEED)
+    yield
+
+
 @pytest.fixture
 def rng():
-    """A freshly seeded generator; the seed is printed so that ``FASTKDA_TEST_SEED=<seed>`` replays a
-    failure."""
-    seed = int(os.environ.get("FASTKDA_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
+    """A generator seeded with this test's seed."""
+    return torch.Generator().manual_seed(TEST_SEED)

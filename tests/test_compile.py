@@ -3,6 +3,7 @@ and autograd)."""
 
 import pytest
 import torch
+import conftest
 from conftest import DEVICE
 from helpers import check
 
@@ -15,7 +16,7 @@ from fastkda.testing import Case, make_inputs
 def test_compiled_layer_forward_backward(mode, rng):
     """Training through a compiled layer equals eager training (the recurrent op's functional form
     has a backward too)."""
-    torch.manual_seed(0)
+    torch.manual_seed(conftest.TEST_SEED)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), KimiDeltaAttention(32, 2, 16, mode=mode, lower_bound=-5.0)).to(DEVICE)
     x = torch.randn(2, 40 if mode == "chunk" else 12, 32, generator=rng).to(DEVICE)
     eager = model(x)

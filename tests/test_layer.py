@@ -6,6 +6,7 @@ interface, checkpoint A_log shapes."""
 import pytest
 import torch
 import torch.nn.functional as F
+import conftest
 from conftest import DEVICE, GPU
 from helpers import check
 
@@ -16,7 +17,7 @@ DIMS = dict(hidden_size=64, num_heads=2, head_dim=16, num_v_heads=4, conv_size=4
 
 
 def layer(dtype=torch.float32, **kw):
-    torch.manual_seed(0)
+    torch.manual_seed(conftest.TEST_SEED)  # the same weights for every layer() of one test, fresh per test
     m = KimiDeltaAttention(**{**DIMS, **kw}).to(DEVICE, dtype)
     with torch.no_grad():
         m.dt_bias.normal_()
