@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import (block_lower, cdiv, chunk_program, exclusive_cumsum, gate_backward, gate_launch, launch_options,
-                     pow2, row_of)
+from .common import (block_lower, cdiv, chunk_program, dot_config, exclusive_cumsum, gate_backward, gate_launch,
+                     launch_options, pow2, row_of)
 from .scan import _state_ptrs
 from .prepare import SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _put, _tile, _x, level_pairs, split_level
 
@@ -55,9 +55,9 @@ V_STATE_SLICE = 32  # key columns per state-product program of kda_bwd_v_kernel 
 # of the diagonal blocks take the input dtype's products (tf32 for 16-bit inputs), as elsewhere.
 EXACT_PAIRS = None
 # Bounded gates (safe_gate) with bfloat16 inputs take the whole-chunk path end to end: stage 1
-# (also in the training forward, whose output the backward reads) and kda_bwd_gate_chunk_kernel, which sums every
-# pair of a chunk from row and column sums. True/False force it on or off for bounded gates of any
-# dtype; None: bfloat16 only (EXACT_PAIRS=True keeps the block path).
+# (also in the training forward, whose output the backward reads) and kda_bwd_gate_chunk_kernel,
+# which sums every pair of a chunk from row and column sums. True/False force it on or off for
+# bounded gates of any dtype; None: bfloat16 only (EXACT_PAIRS=True keeps the block path).
 WHOLE_BACKWARD = None
 # Products of that kernel per input dtype. In tf32 the row and the column form of a pair term round
 # apart and their cancellation in dg leaves tf32's residue, inside bfloat16's budget: at extreme
@@ -524,7 +524,7 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
     dg = new_empty(B, T, HV, K, dtype=x.g.dtype, device=dev)
     dbeta = new_empty(*x.beta.shape, dtype=x.beta.dtype, device=dev)
     dbias_part = new_empty(NT, HV, K, **f32) if x.dt_bias is not None else None
-    PREC = "ieee" if x.q.dtype == torch.float32 else "tf32"
+    PREC = dot_config(x.q.dtype)[1]
     if NT > 0:
         BK, BV = pow2(K), pow2(V)
         BS = min(SLICE, BK, BV)

@@ -53,8 +53,8 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tables, gate_launch, launch_options, pow2,
-                     row_of)
+from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tables, dot_config, gate_launch,
+                     launch_options, pow2, row_of)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (tools/sweep_launch.py); beyond,
 # at least 4 warps. "chunk" is the whole-chunk intra kernel (4 warps, 64-column steps: 0.74 ms at
@@ -571,7 +571,7 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
     xs = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # (I + L)^-1, lower blocks
     rs = new_empty(NT_total, HV, 2, C, dtype=torch.float32, device=dev)  # 1/|q|, 1/|k| of every row
     p = Prepared(None, None, None, None, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total)
-    PREC = "ieee" if dt == torch.float32 else "tf32"  # products are float32: tensor-core tf32 for 16-bit inputs
+    PREC = dot_config(dt)[1]  # products are float32: tensor-core tf32 for 16-bit inputs
     if NT_total > 0:
         BK = pow2(K)
         BS = min(SLICE, BK, pow2(s.V))
@@ -611,6 +611,6 @@ def fwd_wu(opts, p: Prepared, q, k, v, beta, cu_seqlens) -> Prepared:
         NSK, NSV = cdiv(K, BS), cdiv(V, BS)
         kda_fwd_wu_kernel[(p.NT_total * (NSK + NSV), HV)](
             q, k, v, beta, p.gc, p.ga, p.rs, p.xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS, NSK=NSK,
-            NSV=NSV, PREC="ieee" if dt == torch.float32 else "tf32", WHOLE=p.ga is None, SIGMOID=opts.beta_sigmoid,
+            NSV=NSV, PREC=dot_config(dt)[1], WHOLE=p.ga is None, SIGMOID=opts.beta_sigmoid,
             BETA_SCALE=opts.beta_scale, **_where(opts, p, cu_seqlens), **launch_options(LAUNCH, "wu", BK, BV))
     return p._replace(w=w, u=u, qg=qg, kd=kd)
