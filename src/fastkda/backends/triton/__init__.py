@@ -16,7 +16,8 @@ import torch
 from ... import platform
 from ...options import KDAInputs, KDAOptions
 from ..registry import Backend, forced_backend, needs_grad
-from .function import chunk_kda_autograd, chunk_kda_vjp, contiguous_inputs, forward_stages
+from .common import contiguous_inputs
+from .function import chunk_kda_autograd, chunk_kda_vjp, forward_stages
 from .recurrent import recurrent_forward
 from . import gate as gate_kernels
 

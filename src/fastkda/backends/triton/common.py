@@ -152,6 +152,13 @@ def contiguous(t):
     return t if t is None or t.is_contiguous() else t.contiguous()
 
 
+def contiguous_inputs(x, keep: tuple[str, ...] = ()):
+    """``x`` (a KDAInputs) with every tensor contiguous, as the kernels index them, except the
+    fields named in ``keep``."""
+    return x._replace(**{n: contiguous(t) for n, t in x._asdict().items()
+                         if n not in keep and isinstance(t, torch.Tensor)})
+
+
 def gate_code(gate) -> int:
     from ...options import GateMode
 

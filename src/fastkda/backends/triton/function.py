@@ -26,14 +26,9 @@ import torch
 from ...options import KDAInputs, KDAOptions
 from .bwd_chunk import bwd_chunk, bwd_qk, whole_backward
 from .bwd_scan import bwd_scan
-from .common import contiguous, dot_config
+from .common import contiguous, contiguous_inputs, dot_config
 from .prepare import Prepared, chunk_tables_of, fwd_intra, fwd_wu
 from .scan import fwd_scan
-
-
-def contiguous_inputs(x: KDAInputs) -> KDAInputs:
-    return x._replace(**{n: contiguous(getattr(x, n)) for n in
-                         ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens")})
 
 
 def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: bool = False, train: bool = False,

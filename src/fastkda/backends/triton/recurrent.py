@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ... import platform
 from ...testing import new_empty
-from .common import activate_gate, cdiv, contiguous, gate_launch, pow2
+from .common import activate_gate, cdiv, contiguous, contiguous_inputs, gate_launch, pow2
 
 # value columns and warps per program: many one-warp programs keep the most state loads in
 # flight (H200, N=256 H=32 K=V=128, CUDA graph: BV=16/1 warp 0.356 ms, 32/1 0.373, 32/4 0.404)
@@ -180,9 +180,7 @@ def describe_error(code: int, num_slots: int | None = None, cols: int | None = N
 def recurrent_forward(opts, x):
     s = opts.shape
     B, T, H, HV, K, V, N = s.B, s.T, s.H, s.HV, s.K, s.V, s.N
-    # the kernels index every tensor as contiguous (the parameters and index tensors are small)
-    x = x._replace(**{n: contiguous(getattr(x, n)) for n in (
-        "q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "ssm_state_indices", "num_accepted_tokens")})
+    x = contiguous_inputs(x, keep=("initial_state",))  # the pool stays the caller's tensor (see below)
     q, k, v, g, beta = x.q, x.k, x.v, x.g, x.beta
     dev = q.device
     # a strided pool (e.g. one layer's view of a wider cache) runs on a contiguous copy, copied back
