@@ -12,10 +12,13 @@ calls go straight to the backend registry.
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from .options import state_dtype
 
 
 _GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -61,10 +64,9 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_
       use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log, dt_bias,
       chunk_size):
     o = v.new_empty(v.shape)
-    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     if not output_final_state:
         return o, q.new_empty(0, dtype=torch.float32)
-    return o, q.new_empty(_state_shape(q, v, initial_state, cu_seqlens, state_v_first), dtype=sdt)
+    return o, q.new_empty(_state_shape(q, v, initial_state, cu_seqlens, state_v_first), dtype=state_dtype(q.dtype))
 
 
 def _chunk_backend(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -147,9 +149,7 @@ def _(do, dfinal, q, k, v, g, beta, scale, initial_state, output_final_state, us
     return _grads_fake(dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias))
 
 
-_ARG_NAMES = ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
-              "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound",
-              "state_v_first", "cu_seqlens", "A_log", "dt_bias", "chunk_size")
+_ARG_NAMES = tuple(inspect.signature(_chunk).parameters)  # the op's arguments, in order
 
 
 def _register_autograd(op, arg_names: tuple, backward_op) -> None:
@@ -204,8 +204,7 @@ def _fused_recurrent_fake(q, k, v, g, beta, A_log, dt_bias, scale, initial_state
     o = v.new_empty(v.shape)
     if inplace_final_state or not output_final_state:
         return o, q.new_empty(0, dtype=torch.float32)
-    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return o, q.new_empty(_state_shape(q, v, None, cu_seqlens, state_v_first), dtype=sdt)
+    return o, q.new_empty(_state_shape(q, v, None, cu_seqlens, state_v_first), dtype=state_dtype(q.dtype))
 
 
 # in place (decoding into a pool): forward only
@@ -217,10 +216,7 @@ fused_recurrent_kda_functional_op = torch.library.custom_op("fastkda::fused_recu
                                                             _fused_recurrent, mutates_args=())
 fused_recurrent_kda_functional_op.register_fake(_fused_recurrent_fake)
 
-_REC_ARG_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "scale", "initial_state", "output_final_state",
-                  "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
-                  "lower_bound", "state_v_first", "cu_seqlens", "ssm_state_indices", "num_accepted_tokens",
-                  "inplace_final_state", "raise_on_bad_index")
+_REC_ARG_NAMES = tuple(inspect.signature(_fused_recurrent).parameters)
 
 
 @torch.library.custom_op("fastkda::fused_recurrent_kda_backward", mutates_args=())

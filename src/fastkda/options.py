@@ -174,7 +174,7 @@ def _gate_params(
     if A_log is not None:
         _float_dtype("A_log", A_log)
         # [HV], or with unit dimensions around it as some checkpoints store it ([1, 1, HV, 1])
-        if [d for d in A_log.shape if d != 1] != ([HV] if HV != 1 else []) or A_log.numel() != HV:
+        if [d for d in A_log.shape if d != 1] != ([HV] if HV != 1 else []):
             raise ValueError(f"`A_log` must have shape [HV]=[{HV}], got shape {list(A_log.shape)}")
     if dt_bias is not None:
         _float_dtype("dt_bias", dt_bias)
@@ -248,6 +248,12 @@ def _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values: 
     elif cu_seqlens_cpu is not None:
         raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
     return KDAShape(B, T, H, HV, K, V, N), scale, cu_host
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the states (initial, final, carried) for inputs of ``dtype``: float32, or
+    float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _state(name: str, h: torch.Tensor, lead: int | None, shape: KDAShape, state_v_first: bool, q: torch.Tensor):

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import platform
+from ..options import state_dtype
 
 __all__ = ["CPContext"]
 
@@ -106,7 +107,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, group, world):
-        ctx.group, ctx.world = group, world
+        ctx.group = group
         out = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(out, t, group=group)
         return tuple(out)
@@ -139,7 +140,7 @@ def chunk_kda_cp(run, q, k, v, g, beta, kw: dict, ctx: CPContext):
     carried_in = not ctx.fresh[ctx.rank]
     spans = len(ctx.local_cu) == 2  # one segment covers the whole shard
     A_first = Q_eff = None
-    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # the states' dtype, as chunk_kda's
+    sdt = state_dtype(q.dtype)
     eye = torch.eye(K, device=dev, dtype=sdt)
     if carried_in and V + K <= FUSED_MAX_COLUMNS and 2 * L0 >= ctx.T_local:
         # the first segment from S_in = I with v = 0 (final state A, outputs A_{1..t}^T scale q_t) as
