@@ -56,6 +56,8 @@ def chunk_kda(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     chunk_size: int = 64,
@@ -86,6 +88,14 @@ def chunk_kda(
             cu_seqlens_cpu: its host copy, saves a device-to-host copy (must hold the same values).
         cp_context: a :class:`fastkda.distributed.CPContext`: q, k, v, g, beta are this rank's shard
             of one global (varlen) batch; incoming states come from the ranks before it.
+        use_graph: with ``cu_seqlens``, never read the boundaries back to the host, so that a CUDA
+            graph of the call (forward and backward) replays with new boundaries of the same
+            shape: pad ``cu_seqlens`` with empty sequences to ``max_num_seqs + 1`` entries; it may
+            end before T (those rows of the output and of the gradients are zero). Its values are
+            not checked on the host: if they break the contract (not starting at 0, decreasing,
+            ending past T), the output is NaN. ``cu_seqlens_cpu`` is not used. No effect without
+            ``cu_seqlens`` (docs/api.md).
+        max_num_seqs: with ``use_graph``, the number of (padded) sequences ``cu_seqlens`` must hold.
         A_log: ``[HV]`` (unit dimensions allowed); dt_bias: ``[HV*K]`` or ``[HV, K]``; chunk_size: 32 or 64.
 
     Returns:
@@ -96,6 +106,8 @@ def chunk_kda(
     compiling = torch.compiler.is_compiling()
     if compiling and return_intermediate_states:  # before the options read the inference mode, which tracing cannot
         raise NotImplementedError("`return_intermediate_states=True` is not supported under torch.compile")
+    if compiling and use_graph is True and cu_seqlens is not None:
+        raise NotImplementedError("`use_graph=True` with `cu_seqlens` is not supported under torch.compile")
     opts, inputs = chunk_options(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
@@ -103,7 +115,8 @@ def chunk_kda(
         safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
         return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, A_log=A_log,
-        dt_bias=dt_bias, chunk_size=chunk_size, check_values=not compiling,
+        dt_bias=dt_bias, chunk_size=chunk_size, use_graph=use_graph, max_num_seqs=max_num_seqs,
+        check_values=not compiling,
     )
     if cp_context is not None:
         from .distributed.cp import chunk_kda_cp

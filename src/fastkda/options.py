@@ -59,6 +59,9 @@ class KDAOptions:
     chunk_size: int = 64
     disable_recompute: bool = False
     return_intermediate_states: bool = False
+    # use_graph with cu_seqlens: chunk tables built on the device in sizes fixed by the shapes, the
+    # boundaries never read back (a CUDA graph replays with new ones); rows past cu_seqlens[-1] are zero
+    graph: bool = False
     # decoding only
     pool: bool = False  # ssm_state_indices given: initial_state is a pool of slots
     spec_decode: bool = False  # 2-D ssm_state_indices + num_accepted_tokens
@@ -204,15 +207,20 @@ def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch
     elif check_values or (check_values is None and cu.device.type == "cpu"):
         host = cu.detach().to("cpu", torch.int64)
     if host is not None:
-        vals = host.tolist()
-        if vals[0] != 0:
-            raise ValueError(f"`cu_seqlens` must start at 0, got {vals[:8]}")
-        bad = next((i for i in range(1, len(vals)) if vals[i] < vals[i - 1]), None)
-        if bad is not None:
-            raise ValueError(f"`cu_seqlens` must be non-decreasing, got {vals[bad - 1]} then {vals[bad]} at index {bad}")
-        if vals[-1] != T:
-            raise ValueError(f"`cu_seqlens` must end at the total length T={T}, got {vals[-1]}")
+        check_seqlens(host.tolist(), T)
     return cu.numel() - 1, host
+
+
+def check_seqlens(vals: list, T: int, short_ok: bool = False):
+    """The values of cu_seqlens: from 0, non-decreasing, to T (to at most T with ``short_ok``:
+    ``use_graph``, whose tail rows may be unused)."""
+    if vals[0] != 0:
+        raise ValueError(f"`cu_seqlens` must start at 0, got {vals[:8]}")
+    bad = next((i for i in range(1, len(vals)) if vals[i] < vals[i - 1]), None)
+    if bad is not None:
+        raise ValueError(f"`cu_seqlens` must be non-decreasing, got {vals[bad - 1]} then {vals[bad]} at index {bad}")
+    if vals[-1] > T or (vals[-1] != T and not short_ok):
+        raise ValueError(f"`cu_seqlens` must end at the total length T={T}{' or before' if short_ok else ''}, got {vals[-1]}")
 
 
 def _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values: bool):
@@ -288,16 +296,19 @@ def chunk_options(
     q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
     use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
     return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context, A_log, dt_bias, chunk_size,
-    check_values: bool = True,
+    use_graph: bool = False, max_num_seqs: int | None = None, check_values: bool = True,
 ) -> tuple[KDAOptions, KDAInputs]:
     flags = dict(
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, disable_recompute=disable_recompute,
-        return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
+        return_intermediate_states=return_intermediate_states, state_v_first=state_v_first, use_graph=use_graph,
     )
     for name, val in flags.items():
         _bool(name, val)
+    if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int)
+                                     or max_num_seqs < 0):
+        raise ValueError(f"`max_num_seqs` must be None or a non-negative int, got {max_num_seqs!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in (32, 64):
         raise ValueError(f"`chunk_size` must be 32 or 64, got {chunk_size!r}")
     if cp_context is not None:
@@ -313,10 +324,18 @@ def chunk_options(
             raise ValueError("with `cp_context`, pass the global `cu_seqlens` to the CPContext, not to chunk_kda")
         if return_intermediate_states:
             raise ValueError("`return_intermediate_states=True` cannot be used with `cp_context`")
+        if use_graph:
+            raise ValueError("`use_graph=True` cannot be used with `cp_context` (its ranks' boundaries are read on the host)")
         if not (isinstance(q, torch.Tensor) and q.ndim == 4 and q.shape[0] == 1 and q.shape[1] == cp_context.T_local):
             got = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
             raise ValueError(f"with `cp_context`, `q` must be this rank's shard [1, {cp_context.T_local}, H, K], got {got}")
-    shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values=check_values)
+    graph = use_graph and cu_seqlens is not None  # a dense batch needs no tables: use_graph changes nothing
+    # with use_graph the boundaries change between replays: never read, and a host copy is not used
+    shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, None if graph else cu_seqlens_cpu,
+                                  check_cu_values=False if graph else check_values)
+    if graph and max_num_seqs is not None and max_num_seqs != shape.N:
+        raise ValueError(f"with `use_graph`, `cu_seqlens` must hold max_num_seqs + 1 = {max_num_seqs + 1} entries "
+                         f"(pad it with empty sequences), got {shape.N + 1}")
     lower_bound = _lower_bound(lower_bound)
     _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
     gate = _gate_params(use_gate_in_kernel, A_log, dt_bias, lower_bound, shape.HV, shape.K, q)
@@ -330,7 +349,7 @@ def chunk_options(
         allow_neg_eigval=allow_neg_eigval, has_initial_state=initial_state is not None,
         output_final_state=output_final_state, state_v_first=state_v_first, varlen=cu_seqlens is not None,
         chunk_size=chunk_size, disable_recompute=disable_recompute,
-        return_intermediate_states=return_intermediate_states,
+        return_intermediate_states=return_intermediate_states, graph=graph,
     )
     inputs = KDAInputs(
         q, k, v, g, beta,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..naive import activate, naive_kda_gate, naive_kda_lowerbound_gate
-from ..options import GateMode, GateOptions, KDAInputs, KDAOptions
+from ..options import GateMode, GateOptions, KDAInputs, KDAOptions, check_seqlens
 from .registry import Backend
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -48,6 +48,8 @@ class SeqLayout:
             self.src = torch.where(valid, src, T).to(device)  # T indexes the appended zero row
             dst = [n * self.Tp + torch.arange(L) for n, L in enumerate(self.lens)]
             self.dst = (torch.cat(dst) if dst else torch.zeros(0, dtype=torch.long)).to(device)  # no sequences: none
+            # with use_graph the sequences may end before T: their rows, the rest zero
+            self.rows = None if cu[-1] == T else torch.arange(cu[-1]).to(device)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         if self.varlen:
@@ -58,7 +60,10 @@ class SeqLayout:
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
         if self.varlen:
-            return y.reshape(self.N * self.Tp, *y.shape[2:])[self.dst][None]
+            out = y.reshape(self.N * self.Tp, *y.shape[2:])[self.dst]
+            if self.rows is not None:
+                out = y.new_zeros(self.T, *y.shape[2:]).index_copy(0, self.rows, out)
+            return out[None]
         return y[:, : self.T]
 
     def chunk_valid(self) -> torch.Tensor:
@@ -152,7 +157,11 @@ def chunk_forward(opts: KDAOptions, x: KDAInputs):
     s, C = opts.shape, opts.chunk_size
     cdt = compute_dtype(x.q)
     q, k, v, g, beta = _activate(opts, x, cdt)  # [B, T, HV, *]
-    lay = SeqLayout(s.B, s.T, C, x.cu_seqlens_cpu, q.device)
+    cu_host = x.cu_seqlens_cpu
+    if opts.graph:  # use_graph: the boundaries were not read; this backend needs them on the host
+        cu_host = x.cu_seqlens.detach().to("cpu", torch.int64)
+        check_seqlens(cu_host.tolist(), s.T, short_ok=True)
+    lay = SeqLayout(s.B, s.T, C, cu_host, q.device)
     N, NT = lay.N, lay.NT
 
     def chunks(t):  # [B, T, HV, *] -> chunk-major [NT, N, HV, C, *]
@@ -201,6 +210,9 @@ def chunk_forward(opts: KDAOptions, x: KDAInputs):
         h = H_all.transpose(0, 1)  # [N, NT, HV, K, V]
         if lay.varlen:
             h = h[lay.chunk_valid().to(h.device)][None]
+            if opts.graph:  # one slot per chunk slot of the Triton backend's fixed-size tables, zeros past the chunks
+                slots = -(-s.T // C) + s.N - 1 if s.T > 0 and s.N > 0 else 0
+                h = torch.cat([h, h.new_zeros(1, slots - h.shape[1], *h.shape[2:])], 1)
         if opts.state_v_first:
             h = h.transpose(-1, -2)
     return o, final, h

@@ -17,7 +17,7 @@ from ... import platform
 from ...options import KDAInputs, KDAOptions
 from ..registry import Backend, forced_backend, needs_grad
 from .common import contiguous_inputs
-from .function import chunk_kda_autograd, chunk_kda_vjp, forward_stages
+from .function import chunk_kda_autograd, chunk_kda_vjp, forward_stages, graph_inputs, poison
 from .recurrent import recurrent_forward
 from . import gate as gate_kernels
 
@@ -26,7 +26,9 @@ MAX_DIM = platform.TRITON_MAX_DIM
 
 def chunk_forward(opts: KDAOptions, x: KDAInputs):
     """(o, final_state, h) through the two forward stages, without gradients."""
-    _, o, ht, h, _ = forward_stages(opts, contiguous_inputs(x))
+    x, bad = graph_inputs(opts, contiguous_inputs(x))
+    _, o, ht, h, _ = forward_stages(opts, x)
+    poison(bad, o, ht, h)
     return o, ht, h
 
 

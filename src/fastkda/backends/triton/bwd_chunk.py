@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ...testing import new_empty
 from .common import (block_lower, cdiv, chunk_program, dot_config, exclusive_cumsum, gate_backward, gate_launch,
-                     launch_options, pow2, row_of)
+                     launch_options, out_alloc, pow2, row_of)
 from .scan import _state_ptrs
 from .prepare import SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _put, _tile, _x, level_pairs, split_level
 
@@ -516,13 +516,15 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
     B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
     dev, NT = x.q.device, p.NT_total
     f32 = dict(dtype=torch.float32, device=dev)
-    s_dqg, s_dkd, s_dw = (new_empty(B, T, HV, K, **f32) for _ in range(3))
+    alloc = out_alloc(opts)  # use_graph: rows past the last sequence, never written, are zero
+    s_dqg, s_dkd = (alloc(B, T, HV, K, **f32) for _ in range(2))
+    s_dw = new_empty(B, T, HV, K, **f32)
     s_dA, s_dL = (new_empty(NT, HV, C, C, **f32) for _ in range(2))
     s_db = new_empty(NT, HV, C, **f32)
     s_dgam = new_empty(NT, HV, K, **f32)
-    dv = new_empty(B, T, HV, V, dtype=x.v.dtype, device=dev)
-    dg = new_empty(B, T, HV, K, dtype=x.g.dtype, device=dev)
-    dbeta = new_empty(*x.beta.shape, dtype=x.beta.dtype, device=dev)
+    dv = alloc(B, T, HV, V, dtype=x.v.dtype, device=dev)
+    dg = alloc(B, T, HV, K, dtype=x.g.dtype, device=dev)
+    dbeta = alloc(*x.beta.shape, dtype=x.beta.dtype, device=dev)
     dbias_part = new_empty(NT, HV, K, **f32) if x.dt_bias is not None else None
     PREC = dot_config(x.q.dtype)[1]
     if NT > 0:

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...testing import new_empty
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -188,6 +190,42 @@ def chunk_tables(cu_host: torch.Tensor, C: int, device) -> tuple[torch.Tensor, t
     lens = tuple(cu[i + 1] - cu[i] for i in range(len(cu) - 1))
     ci, co = _chunk_tables(lens, C, str(device))
     return ci, co, ci.shape[0]
+
+
+def out_alloc(opts):
+    """Allocator of the outputs indexed by token: zeros with ``use_graph`` (rows past the last
+    sequence are never written and must read as zero), else uninitialised (every row is written)."""
+    return torch.zeros if opts.graph else new_empty
+
+
+def graph_seqlens(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``use_graph``: (the boundaries the kernels read [N+3] int64, whether ``cu_seqlens`` broke its
+    contract, a 0-dim bool), on the device, without reading anything back. The values are made
+    safe to index with: clamped to [0, T] and non-decreasing. Two entries follow, 0 and 1: a
+    one-token sequence N+1 at the first row, whose chunk 1 (tokens C.. of a one-token sequence) is
+    where the slots past the last real chunk point (chunk_tables_static): every load and store of
+    such a chunk is masked off as past the sequence end, and the clamped rows it reads (row 0)
+    exist whenever T >= 1."""
+    cu = cu_seqlens.to(torch.int64)
+    safe = torch.cummax(cu.clamp(0, T), 0).values
+    bad = (safe != cu).any() | (cu[0] != 0)
+    return torch.cat([safe, torch.arange(2, device=safe.device)]), bad  # no host data: capturable
+
+
+def chunk_tables_static(cu_ext: torch.Tensor, N: int, T: int, C: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``use_graph``: (chunk_indices [nt_max, 2] int32, chunk_offsets [N+1] int32, nt_max) built on
+    the device from ``graph_seqlens``'s boundaries, their size fixed by the shapes alone:
+    nt_max = ceil(T / C) + N - 1 bounds the chunks of any N sequences of at most T tokens in all.
+    The slots past the last real chunk hold (N + 1, 1) (see graph_seqlens)."""
+    nt_max = cdiv(T, C) + N - 1 if T > 0 and N > 0 else 0
+    counts = (cu_ext[1:N + 1] - cu_ext[:N] + C - 1) // C
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    slot = torch.arange(nt_max, device=cu_ext.device)
+    seq = torch.searchsorted(offsets[1:], slot, right=True)  # the sequence whose chunks hold the slot
+    real = slot < offsets[-1]
+    seq_c = seq.clamp(max=max(N - 1, 0))
+    ci = torch.stack([torch.where(real, seq_c, N + 1), torch.where(real, slot - offsets[seq_c], 1)], 1)
+    return ci.to(torch.int32), offsets.to(torch.int32), nt_max
 
 
 def launch_options(table: dict, name: str, BK: int, BV: int) -> dict:

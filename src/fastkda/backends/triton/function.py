@@ -26,9 +26,26 @@ import torch
 from ...options import KDAInputs, KDAOptions
 from .bwd_chunk import bwd_chunk, bwd_qk, whole_backward
 from .bwd_scan import bwd_scan
-from .common import contiguous, contiguous_inputs, dot_config
+from .common import contiguous, contiguous_inputs, dot_config, graph_seqlens
 from .prepare import Prepared, chunk_tables_of, fwd_intra, fwd_wu
 from .scan import fwd_scan
+
+
+def graph_inputs(opts: KDAOptions, x: KDAInputs) -> tuple[KDAInputs, torch.Tensor | None]:
+    """(x, None), or with use_graph (x with the boundaries the kernels read, the flag of boundaries
+    that broke the contract): common.graph_seqlens, on the device."""
+    if not opts.graph:
+        return x, None
+    cu, bad = graph_seqlens(x.cu_seqlens, opts.shape.T)
+    return x._replace(cu_seqlens=cu), bad
+
+
+def poison(bad: torch.Tensor | None, *outs):
+    """use_graph: NaN in the outputs when the boundaries broke the contract (no read-back to raise)."""
+    if bad is not None:
+        for t in outs:
+            if t is not None:
+                t.masked_fill_(bad, float("nan"))
 
 
 def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: bool = False, train: bool = False,
@@ -58,9 +75,10 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(opts: KDAOptions, x: KDAInputs, q, k, v, g, beta, A_log, dt_bias, initial_state):
         # the tensors come again as arguments so that autograd sees them; x carries the rest
-        x = contiguous_inputs(x._replace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
-                                         initial_state=initial_state))
+        x, bad = graph_inputs(opts, contiguous_inputs(x._replace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log,
+                                                                 dt_bias=dt_bias, initial_state=initial_state)))
         p, o, ht, h, vn = forward_stages(opts, x, keep=opts.disable_recompute, train=True)
+        poison(bad, o, ht)
         if opts.disable_recompute:  # stage 1's tensors, the scan's h, v'
             return (o, ht, *p[:11], h, vn)
         return (o, ht, None, None, None, None, *p[4:11])  # fwd_intra's part of stage 1
@@ -82,8 +100,8 @@ class ChunkKDAFunction(torch.autograd.Function):
     def backward(ctx, do, dht, *_):
         opts = ctx.opts
         q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, *kept = ctx.saved_tensors
-        x = contiguous_inputs(ctx.x._replace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
-                                             initial_state=h0, cu_seqlens=cu_seqlens))
+        x, _ = graph_inputs(opts, contiguous_inputs(ctx.x._replace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log,
+                                                                   dt_bias=dt_bias, initial_state=h0, cu_seqlens=cu_seqlens)))
         if do is None:  # a loss of the final state alone (o has v's shape and dtype)
             do = torch.zeros_like(x.v)
         need_dh0 = h0 is not None and ctx.needs_input_grad[9]
@@ -126,7 +144,7 @@ def chunk_kda_vjp(opts: KDAOptions, x: KDAInputs, do, dht) -> dict:
     """The gradients of every input from ``do`` and ``dht`` (None: no final state), recomputing the
     forward, without autograd: what the compiled backward (``fastkda.library``) calls, since
     ``torch.func`` hands an autograd Function's backward wrapped tensors, which kernels cannot take."""
-    x = contiguous_inputs(x)
+    x, _ = graph_inputs(opts, contiguous_inputs(x))
     g = gradients(opts, x, _recompute(opts, x), do, dht, x.initial_state is not None)[2:]
     return dict(zip(("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"), g))
 

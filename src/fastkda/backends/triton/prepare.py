@@ -53,8 +53,8 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tables, dot_config, gate_launch,
-                     launch_options, pow2, row_of)
+from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tables, chunk_tables_static, dot_config,
+                     gate_launch, launch_options, pow2, row_of)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (tools/sweep_launch.py); beyond,
 # at least 4 warps. "chunk" is the whole-chunk intra kernel (4 warps, 64-column steps: 0.74 ms at
@@ -535,7 +535,9 @@ class Prepared(NamedTuple):
 
 def chunk_tables_of(opts, cu_seqlens, cu_host) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
     """(chunk_indices, chunk_offsets, total chunks) of a call: the varlen tables (cached by the
-    sequence lengths), or None for a dense batch."""
+    sequence lengths; with use_graph built on the device in fixed sizes), or None for a dense batch."""
+    if opts.graph:  # cu_seqlens: common.graph_seqlens's boundaries
+        return chunk_tables_static(cu_seqlens, opts.shape.N, opts.shape.T, opts.chunk_size)
     if cu_seqlens is not None:
         return chunk_tables(cu_host, opts.chunk_size, cu_seqlens.device)
     return None, None, opts.shape.B * cdiv(opts.shape.T, opts.chunk_size)

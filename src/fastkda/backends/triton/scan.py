@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import cdiv, chunk_program, mma, pow2, sequence_location
+from .common import cdiv, chunk_program, mma, out_alloc, pow2, sequence_location
 
 # launch configuration (module-level so that benchmarks can compare variants)
 # o leaves the scan for a chunk-parallel kernel (kda_fwd_output_kernel) when the scan is long and
@@ -153,7 +153,7 @@ def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep
     s, C = opts.shape, opts.chunk_size
     B, T, HV, K, V, N = s.B, s.T, s.HV, s.K, s.V, s.N
     dev = p.w.device
-    o = new_empty(B, T, HV, V, dtype=v_dtype, device=dev) if outputs else None
+    o = out_alloc(opts)(B, T, HV, V, dtype=v_dtype, device=dev) if outputs else None
     ht = None
     if outputs and opts.output_final_state:
         ht = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev)
@@ -163,7 +163,7 @@ def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep
         vn = new_empty(B, T, HV, V, dtype=p.u.dtype, device=dev)
     elif opts.return_intermediate_states:
         lead = (1, p.NT_total) if cu_seqlens is not None else (B, cdiv(T, C))
-        h = new_empty(*lead, HV, *opts.state_shape, dtype=torch.float32, device=dev)
+        h = out_alloc(opts)(*lead, HV, *opts.state_shape, dtype=torch.float32, device=dev)  # use_graph: zero past the chunks
     BK = pow2(K)
     BV = _scan_bv(V)
     split = outputs and not keep and _split(opts, p.NT_total)
