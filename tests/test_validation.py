@@ -194,3 +194,22 @@ def test_gate_helpers_validate():
         kda_gate_chunk_cumsum(g[:1], torch.randn(HV), 64, cu_seqlens=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match=r"`output_dtype` must be a floating torch.dtype"):
         fused_kda_gate(g, torch.randn(HV), output_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, fused_recurrent_kda])
+def test_transpose_state_layout_is_state_v_first(fn):
+    """fla-core's former name of state_v_first: the same results, with a DeprecationWarning; both
+    at once, or a non-bool, raise."""
+    import fastkda
+
+    x = base(initial_state=h0(vfirst=True), output_final_state=True)
+    want = fn(**x, state_v_first=True)
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        got = fn(**x, transpose_state_layout=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="transpose_state_layout"):
+        fn(**x, state_v_first=True, transpose_state_layout=True)
+    with pytest.raises(TypeError, match="transpose_state_layout"):
+        fn(**x, transpose_state_layout=1)
+    with pytest.warns(DeprecationWarning):
+        assert fastkda.explain(fn, **x, transpose_state_layout=True)[0] == fastkda.explain(fn, **x, state_v_first=True)[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 
 import torch
 
@@ -16,6 +17,18 @@ from .options import chunk_options, recurrent_options
 __all__ = ["chunk_kda", "fused_recurrent_kda", "explain"]
 
 _AUTOCAST_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _state_layout(state_v_first, transpose_state_layout):
+    """state_v_first, or fla-core's former name for it, ``transpose_state_layout`` (deprecated)."""
+    if transpose_state_layout is None:
+        return state_v_first
+    if not isinstance(transpose_state_layout, bool):
+        raise TypeError(f"`transpose_state_layout` must be a bool, got {type(transpose_state_layout).__name__}")
+    if state_v_first:
+        raise ValueError("pass `state_v_first` or the deprecated `transpose_state_layout`, not both")
+    warnings.warn("`transpose_state_layout` is deprecated: it is `state_v_first`", DeprecationWarning, stacklevel=3)
+    return transpose_state_layout
 
 
 def _autocast_qkv(q, k, v):
@@ -61,6 +74,7 @@ def chunk_kda(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     chunk_size: int = 64,
+    transpose_state_layout: bool | None = None,
 ):
     """Chunked Kimi Delta Attention, forward and backward (training and prefill).
 
@@ -97,11 +111,13 @@ def chunk_kda(
             ``cu_seqlens`` (docs/api.md).
         max_num_seqs: with ``use_graph``, the number of (padded) sequences ``cu_seqlens`` must hold.
         A_log: ``[HV]`` (unit dimensions allowed); dt_bias: ``[HV*K]`` or ``[HV, K]``; chunk_size: 32 or 64.
+        transpose_state_layout: the former name of ``state_v_first`` (deprecated: a warning).
 
     Returns:
         ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states``.
         ``o`` has the dtype of ``v``; ``final_state`` is None unless asked for.
     """
+    state_v_first = _state_layout(state_v_first, transpose_state_layout)
     q, k, v, ctx = _autocast_qkv(q, k, v)
     compiling = torch.compiler.is_compiling()
     if compiling and return_intermediate_states:  # before the options read the inference mode, which tracing cannot
@@ -163,6 +179,7 @@ def fused_recurrent_kda(
     num_accepted_tokens: torch.Tensor | None = None,
     inplace_final_state: bool = False,
     raise_on_bad_index: bool = True,
+    transpose_state_layout: bool | None = None,
 ):
     """Token-by-token Kimi Delta Attention for decoding, with serving-engine state pools.
 
@@ -181,11 +198,13 @@ def fused_recurrent_kda(
             synchronises: a call with a bad index still reads and writes no slot and returns
             zeros, and :func:`decode_error` says why. The PyTorch backend checks on the host and
             always raises.
+        transpose_state_layout: the former name of ``state_v_first`` (deprecated: a warning).
 
     Returns:
         ``(o, final_state)``; ``final_state`` is ``[N, HV, K, V]`` float32 with
         ``output_final_state``, the updated pool with ``inplace_final_state``, else None.
     """
+    state_v_first = _state_layout(state_v_first, transpose_state_layout)
     q, k, v, ctx = _autocast_qkv(q, k, v)
     compiling = torch.compiler.is_compiling()
     opts, inputs = recurrent_options(
@@ -239,6 +258,7 @@ def explain(fn, *args, **kwargs) -> tuple[str, list[tuple[str, str]]]:
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
     call = dict(bound.arguments)
+    call["state_v_first"] = _state_layout(call["state_v_first"], call.pop("transpose_state_layout"))
     tensors = [call.pop(n) for n in ("q", "k", "v", "g", "beta")]
     q, k, v, _ = _autocast_qkv(*tensors[:3])
     opts, inputs = build(q, k, v, *tensors[3:], **call)
