@@ -213,3 +213,25 @@ def test_transpose_state_layout_is_state_v_first(fn):
         fn(**x, transpose_state_layout=1)
     with pytest.warns(DeprecationWarning):
         assert fastkda.explain(fn, **x, transpose_state_layout=True)[0] == fastkda.explain(fn, **x, state_v_first=True)[0]
+
+
+# fla-core 0.6.0's fla.ops.kda: positional parameters in order, then what it reads from **kwargs
+FLA_CHUNK = ("q k v g beta scale initial_state output_final_state use_qk_l2norm_in_kernel use_gate_in_kernel "
+             "use_beta_sigmoid_in_kernel allow_neg_eigval safe_gate lower_bound disable_recompute "
+             "return_intermediate_states state_v_first cu_seqlens cu_seqlens_cpu cp_context use_graph max_num_seqs",
+             "A_log dt_bias chunk_size transpose_state_layout")
+FLA_RECURRENT = ("q k v g beta A_log dt_bias scale initial_state output_final_state use_qk_l2norm_in_kernel "
+                 "use_gate_in_kernel use_beta_sigmoid_in_kernel allow_neg_eigval lower_bound state_v_first cu_seqlens",
+                 "transpose_state_layout")
+
+
+@pytest.mark.parametrize("fn,names", [(chunk_kda, FLA_CHUNK), (fused_recurrent_kda, FLA_RECURRENT)])
+def test_fla_signature(fn, names):
+    """A drop-in for fla-core 0.6.0: its positional parameters in the same order, and the keyword
+    arguments it reads, under the same names."""
+    import inspect
+
+    params = list(inspect.signature(fn).parameters)
+    positional, keywords = names[0].split(), names[1].split()
+    assert params[:len(positional)] == positional
+    assert set(keywords) <= set(params)
