@@ -13,7 +13,8 @@ EXTRA_TOKENS, EMPTY_TAILS = 7, 2
 CASES = {  # block path (softplus, float32) and whole-chunk path (bounded gate, bfloat16), GVA, chunk 32
     "softplus_f32": Case(seqlens=(3, 70, 0, 33), H=2, HV=4, gate="softplus", l2norm=True, beta_sigmoid=True,
                          initial_state=True, final_state=True),
-    "safe_bf16": Case(seqlens=(1, 65, 40), gate="safe", l2norm=True, dtype=torch.bfloat16, final_state=True),
+    "safe_bf16": Case(seqlens=(1, 65, 40), gate="safe", l2norm=True, dtype=torch.bfloat16, initial_state=False,
+                      final_state=True),
     "chunk32_vfirst": Case(seqlens=(40, 0, 17), chunk_size=32, state_v_first=True, initial_state=True,
                            final_state=True),
 }
@@ -22,14 +23,14 @@ GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
 def padded(x: dict, rng) -> tuple[dict, int]:
     """The inputs of a varlen case as a graph-mode call sees them: EMPTY_TAILS empty sequences
-    after the real ones and EXTRA_TOKENS rows after the last sequence, all random (never read).
-    Returns (the padded inputs, the number of real rows)."""
+    after the real ones and EXTRA_TOKENS rows after the last sequence, all NaN (they must never be
+    read, nor their gradients reach other rows). Returns (the padded inputs, the number of real rows)."""
     cu = x["cu_seqlens"]
     n = int(cu[-1])
     y = dict(x)
     for name in ("q", "k", "v", "g", "beta"):
         t = x[name]
-        tail = torch.randn(1, EXTRA_TOKENS, *t.shape[2:], generator=rng).to(t)
+        tail = torch.full((1, EXTRA_TOKENS, *t.shape[2:]), float("nan")).to(t)
         y[name] = torch.cat([t, tail], 1)
     y["cu_seqlens"] = torch.cat([cu, cu.new_full((EMPTY_TAILS,), n)])
     if x.get("initial_state") is not None:
@@ -119,20 +120,25 @@ def test_graph_mode_new_boundaries(backend, rng):
             check("o", o[:, :n], o_r, tol_for(case.dtype, backend))
             check("final_state", s[:len(lens)], s_r, tol_for(case.dtype, backend))
         assert torch.equal(o[:, n:], torch.zeros_like(o[:, n:]))
+        assert torch.equal(s[len(lens):], torch.zeros_like(s[len(lens):]))  # empty padding sequences, no initial state
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("cu", [[0, 5, 3, 9], [2, 5, 9], [0, 5, 200]])
 def test_graph_mode_broken_boundaries(cu, rng):
     """Boundaries that break the contract (decreasing, not from 0, past T) are not read back: the
-    Triton backend stays inside its buffers and answers NaN; the PyTorch backend, which reads them
-    anyway, raises."""
-    case = Case(seqlens=(5, 4), initial_state=False, final_state=True)
+    Triton backend stays inside its buffers and answers NaN, in the outputs and in every gradient;
+    the PyTorch backend, which reads them anyway, raises."""
+    case = Case(seqlens=(5, 4), gate="softplus", initial_state=True, final_state=True)
     x = make_inputs(case, device=DEVICE, generator=rng)
     x["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    x["initial_state"] = torch.randn(len(cu) - 1, *x["initial_state"].shape[1:], generator=rng).to(x["initial_state"])
+    leaves = leaves_of(x)
     with use_backend("triton"):
         o, s = chunk_kda(**x, use_graph=True)
     assert o.isnan().all() and s.isnan().all()
+    grads = torch.autograd.grad(o.float().sum() + s.sum(), list(leaves.values()))
+    assert all(t.isnan().all() for t in grads), [n for n, t in zip(leaves, grads) if not t.isnan().all()]
     if DEVICE == "cpu":
         with use_backend("torch"), pytest.raises(ValueError, match="cu_seqlens"):
             chunk_kda(**x, use_graph=True)
@@ -160,6 +166,11 @@ def test_graph_mode_tables():
     sequence N + 1, the one-token sequence appended to the boundaries."""
     from fastkda.backends.triton.common import chunk_tables, chunk_tables_static, graph_seqlens
 
+    for cu, T, bad in (([0], 0, False), ([0], 9, False), ([0, 5, 3, 9], 9, True), ([1, 5], 9, True), ([0, 10], 9, True)):
+        ext, flag = graph_seqlens(torch.tensor(cu), T)
+        assert bool(flag) == bad and (ext[1:len(cu)] >= ext[:len(cu) - 1]).all() and ext.max() <= max(T, 1)
+        ci, co, nt = chunk_tables_static(ext, len(cu) - 1, T, 64)
+        assert ci.shape == (nt, 2) and co.shape == (len(cu),)
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
         N = int(torch.randint(1, 7, (1,), generator=g))
@@ -181,7 +192,7 @@ def test_graph_mode_tables():
 def test_graph_mode_cuda_graph_replay(rng):
     """A CUDA graph of a training step (forward and backward), replayed with new boundaries written
     into the captured tensor, matches eager calls with those boundaries."""
-    case = grow(Case(seqlens=(30, 20, 50), gate="safe", l2norm=True, dtype=torch.bfloat16), True)
+    case = grow(Case(seqlens=(30, 20, 50), gate="safe", l2norm=True, dtype=torch.bfloat16, initial_state=False), True)
     x = make_inputs(case, device="cuda", generator=rng)
     T = x["q"].shape[1]
     cu = torch.zeros(5, dtype=torch.int32, device="cuda")
@@ -240,3 +251,20 @@ def test_graph_mode_not_with(rng):
     compiled = torch.compile(lambda: chunk_kda(**x, use_graph=True), backend="eager", fullgraph=True)
     with pytest.raises(Exception, match="use_graph"):
         compiled()
+
+
+@pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
+def test_graph_mode_disable_recompute(backend, rng):
+    """disable_recompute=True keeps the forward's intermediates for the backward under use_graph
+    too: the same outputs and gradients as recomputing them."""
+    case = grow(Case(seqlens=(3, 70, 0, 33), gate="safe", l2norm=True, dtype=torch.bfloat16, initial_state=False,
+                     final_state=True), GPU)
+    y, _ = padded(make_inputs(case, device=DEVICE, generator=rng), rng)
+    runs = []
+    for keep in (False, True):
+        leaves = leaves_of(dict(y))
+        with use_backend(backend):
+            o, s = chunk_kda(**{**y, **leaves}, use_graph=True, disable_recompute=keep)
+        runs.append((o, s, *torch.autograd.grad((o.float() ** 2).sum() + s.sum(), list(leaves.values()))))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -12,6 +12,7 @@ differences stay exact for large gates.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -48,8 +49,6 @@ class SeqLayout:
             self.src = torch.where(valid, src, T).to(device)  # T indexes the appended zero row
             dst = [n * self.Tp + torch.arange(L) for n, L in enumerate(self.lens)]
             self.dst = (torch.cat(dst) if dst else torch.zeros(0, dtype=torch.long)).to(device)  # no sequences: none
-            # with use_graph the sequences may end before T: their rows, the rest zero
-            self.rows = None if cu[-1] == T else torch.arange(cu[-1]).to(device)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         if self.varlen:
@@ -60,10 +59,7 @@ class SeqLayout:
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
         if self.varlen:
-            out = y.reshape(self.N * self.Tp, *y.shape[2:])[self.dst]
-            if self.rows is not None:
-                out = y.new_zeros(self.T, *y.shape[2:]).index_copy(0, self.rows, out)
-            return out[None]
+            return y.reshape(self.N * self.Tp, *y.shape[2:])[self.dst][None]
         return y[:, : self.T]
 
     def chunk_valid(self) -> torch.Tensor:
@@ -154,14 +150,12 @@ def intra_chunk(qc, kc, G64, scale):
 
 def chunk_forward(opts: KDAOptions, x: KDAInputs):
     """(o, final_state, h) of chunk_kda; h is None unless intermediate states are asked for."""
+    if opts.graph:
+        return _graph_chunk_forward(opts, x)
     s, C = opts.shape, opts.chunk_size
     cdt = compute_dtype(x.q)
     q, k, v, g, beta = _activate(opts, x, cdt)  # [B, T, HV, *]
-    cu_host = x.cu_seqlens_cpu
-    if opts.graph:  # use_graph: the boundaries were not read; this backend needs them on the host
-        cu_host = x.cu_seqlens.detach().to("cpu", torch.int64)
-        check_seqlens(cu_host.tolist(), s.T, short_ok=True)
-    lay = SeqLayout(s.B, s.T, C, cu_host, q.device)
+    lay = SeqLayout(s.B, s.T, C, x.cu_seqlens_cpu, q.device)
     N, NT = lay.N, lay.NT
 
     def chunks(t):  # [B, T, HV, *] -> chunk-major [NT, N, HV, C, *]
@@ -210,11 +204,34 @@ def chunk_forward(opts: KDAOptions, x: KDAInputs):
         h = H_all.transpose(0, 1)  # [N, NT, HV, K, V]
         if lay.varlen:
             h = h[lay.chunk_valid().to(h.device)][None]
-            if opts.graph:  # one slot per chunk slot of the Triton backend's fixed-size tables, zeros past the chunks
-                slots = -(-s.T // C) + s.N - 1 if s.T > 0 and s.N > 0 else 0
-                h = torch.cat([h, h.new_zeros(1, slots - h.shape[1], *h.shape[2:])], 1)
         if opts.state_v_first:
             h = h.transpose(-1, -2)
+    return o, final, h
+
+
+def _graph_chunk_forward(opts: KDAOptions, x: KDAInputs):
+    """use_graph on this backend: the boundaries read and checked on the host (this backend cannot
+    be captured in a CUDA graph), the call run on the rows they cover, and the results laid out as
+    the Triton backend's: zero rows after the last sequence (their inputs never read, so neither
+    they nor their gradients can carry NaN into the others) and h with one slot per chunk slot of
+    its fixed-size tables."""
+    from .. import platform
+
+    if platform.capturing(x.cu_seqlens.device):
+        raise NotImplementedError("use_graph: the PyTorch backend reads `cu_seqlens` on the host and cannot be "
+                                  "captured in a CUDA graph (the Triton backend, which can, declined this call: "
+                                  "see fastkda.explain)")
+    s, C = opts.shape, opts.chunk_size
+    cu_host = x.cu_seqlens.detach().to("cpu", torch.int64)
+    check_seqlens(cu_host.tolist(), s.T, short_ok=True)
+    n = int(cu_host[-1])
+    rows = {f: getattr(x, f)[:, :n] for f in ("q", "k", "v", "g", "beta")}
+    inner = dataclasses.replace(opts, shape=dataclasses.replace(s, T=n), graph=False)
+    o, final, h = chunk_forward(inner, x._replace(**rows, cu_seqlens_cpu=cu_host))
+    o = F.pad(o, [0, 0] * (o.ndim - 2) + [0, s.T - n])
+    if h is not None:
+        slots = -(-s.T // C) + s.N - 1 if s.T > 0 and s.N > 0 else 0
+        h = F.pad(h, [0, 0] * (h.ndim - 2) + [0, slots - h.shape[1]])
     return o, final, h
 
 

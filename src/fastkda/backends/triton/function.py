@@ -100,15 +100,15 @@ class ChunkKDAFunction(torch.autograd.Function):
     def backward(ctx, do, dht, *_):
         opts = ctx.opts
         q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, *kept = ctx.saved_tensors
-        x, _ = graph_inputs(opts, contiguous_inputs(ctx.x._replace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log,
-                                                                   dt_bias=dt_bias, initial_state=h0, cu_seqlens=cu_seqlens)))
+        x, bad = graph_inputs(opts, contiguous_inputs(ctx.x._replace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log,
+                                                                     dt_bias=dt_bias, initial_state=h0, cu_seqlens=cu_seqlens)))
         if do is None:  # a loss of the final state alone (o has v's shape and dtype)
             do = torch.zeros_like(x.v)
         need_dh0 = h0 is not None and ctx.needs_input_grad[9]
         p = Prepared(*kept[:11], *chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu))
         stage = [p, *kept[11:]] if opts.disable_recompute else _recompute(opts, x, p)
         del kept, p
-        return gradients(opts, x, stage, do, dht, need_dh0)
+        return gradients(opts, x, stage, do, dht, need_dh0, bad)
 
 
 def _recompute(opts: KDAOptions, x: KDAInputs, intra: Prepared | None = None) -> list:
@@ -117,12 +117,13 @@ def _recompute(opts: KDAOptions, x: KDAInputs, intra: Prepared | None = None) ->
     return [p, h, vn]
 
 
-def gradients(opts: KDAOptions, x: KDAInputs, stage: list, do, dht, need_dh0: bool):
+def gradients(opts: KDAOptions, x: KDAInputs, stage: list, do, dht, need_dh0: bool, bad=None):
     """Backward stages 1 and 2 from ``stage`` = [stage 1's output, the scan's h, v'] (contiguous
     inputs ``x``): (None, None, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0), as the autograd
     Function returns them. ``stage`` is emptied, so that what only it holds is freed early: qg, kd
     (and Aqk, unless the autograd context keeps it) before the largest stage, the rest before the q/k
-    reduction."""
+    reduction. With use_graph (``bad``: graph_inputs's flag), NaN in every gradient when the
+    boundaries broke the contract."""
     p, h, vn = stage
     stage.clear()
     q, k, h0, cu_seqlens = x.q, x.k, x.initial_state, x.cu_seqlens
@@ -135,8 +136,14 @@ def gradients(opts: KDAOptions, x: KDAInputs, stage: list, do, dht, need_dh0: bo
     dqh, dkh, dv, dg, dbeta, dA_log, ddt_bias = bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens)
     del p, h, vn, dhs, dvn
     dq, dk = bwd_qk(q, dqh, opts.qk_l2norm), bwd_qk(k, dkh, opts.qk_l2norm)
+    if opts.graph:  # the l2norm backward reads every row of q, k: the rows after the last sequence
+        # get 0 * (their input), which is NaN for a NaN input; they are zero
+        tail = (torch.arange(opts.shape.T, device=q.device) >= cu_seqlens[opts.shape.N])[None, :, None, None]
+        dq.masked_fill_(tail, 0.0)
+        dk.masked_fill_(tail, 0.0)
     if dh0 is not None:
         dh0 = dh0.to(h0.dtype)
+    poison(bad, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)
     return None, None, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
 
 
@@ -144,8 +151,8 @@ def chunk_kda_vjp(opts: KDAOptions, x: KDAInputs, do, dht) -> dict:
     """The gradients of every input from ``do`` and ``dht`` (None: no final state), recomputing the
     forward, without autograd: what the compiled backward (``fastkda.library``) calls, since
     ``torch.func`` hands an autograd Function's backward wrapped tensors, which kernels cannot take."""
-    x, _ = graph_inputs(opts, contiguous_inputs(x))
-    g = gradients(opts, x, _recompute(opts, x), do, dht, x.initial_state is not None)[2:]
+    x, bad = graph_inputs(opts, contiguous_inputs(x))
+    g = gradients(opts, x, _recompute(opts, x), do, dht, x.initial_state is not None, bad)[2:]
     return dict(zip(("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"), g))
 
 
