@@ -7,6 +7,9 @@ import torch
 
 if not torch.cuda.is_available():  # must precede the first import of the Triton kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
+elif torch.cuda.device_count() > 1 and os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    # GPU tier under pytest-xdist: worker i runs on GPU i mod n, so one run uses every visible GPU
+    torch.cuda.set_device(int(os.environ["PYTEST_XDIST_WORKER"][2:]) % torch.cuda.device_count())
 
 import pytest  # noqa: E402
 
