@@ -223,6 +223,12 @@ def check_seqlens(vals: list, T: int, short_ok: bool = False):
         raise ValueError(f"`cu_seqlens` must end at the total length T={T}{' or before' if short_ok else ''}, got {vals[-1]}")
 
 
+def graph_chunk_slots(T: int, N: int, C: int) -> int:
+    """``use_graph``: the chunk slots of a varlen call, fixed by the shapes alone: ceil(T / C) + N - 1,
+    the most chunks any N sequences of at most T tokens in all can have (0 without tokens or sequences)."""
+    return -(-T // C) + N - 1 if T > 0 and N > 0 else 0
+
+
 def _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values: bool):
     q = _tensor("q", q)
     k = _tensor("k", k)

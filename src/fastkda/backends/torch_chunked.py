@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..naive import activate, naive_kda_gate, naive_kda_lowerbound_gate
-from ..options import GateMode, GateOptions, KDAInputs, KDAOptions, check_seqlens
+from ..options import GateMode, GateOptions, KDAInputs, KDAOptions, check_seqlens, graph_chunk_slots
 from .registry import Backend
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -230,8 +230,7 @@ def _graph_chunk_forward(opts: KDAOptions, x: KDAInputs):
     o, final, h = chunk_forward(inner, x._replace(**rows, cu_seqlens_cpu=cu_host))
     o = F.pad(o, [0, 0] * (o.ndim - 2) + [0, s.T - n])
     if h is not None:
-        slots = -(-s.T // C) + s.N - 1 if s.T > 0 and s.N > 0 else 0
-        h = F.pad(h, [0, 0] * (h.ndim - 2) + [0, slots - h.shape[1]])
+        h = F.pad(h, [0, 0] * (h.ndim - 2) + [0, graph_chunk_slots(s.T, s.N, C) - h.shape[1]])
     return o, final, h
 
 

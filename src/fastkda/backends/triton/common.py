@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...options import graph_chunk_slots
 from ...testing import new_empty
 
 LOG2E = math.log2(math.e)
@@ -214,10 +215,10 @@ def graph_seqlens(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch
 
 def chunk_tables_static(cu_ext: torch.Tensor, N: int, T: int, C: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``use_graph``: (chunk_indices [nt_max, 2] int32, chunk_offsets [N+1] int32, nt_max) built on
-    the device from ``graph_seqlens``'s boundaries, their size fixed by the shapes alone:
-    nt_max = ceil(T / C) + N - 1 bounds the chunks of any N sequences of at most T tokens in all.
-    The slots past the last real chunk hold (N + 1, 1) (see graph_seqlens)."""
-    nt_max = cdiv(T, C) + N - 1 if T > 0 and N > 0 else 0
+    the device from ``graph_seqlens``'s boundaries, their size fixed by the shapes alone
+    (options.graph_chunk_slots). The slots past the last real chunk hold (N + 1, 1) (see
+    graph_seqlens)."""
+    nt_max = graph_chunk_slots(T, N, C)
     counts = (cu_ext[1:N + 1] - cu_ext[:N] + C - 1) // C
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     slot = torch.arange(nt_max, device=cu_ext.device)
