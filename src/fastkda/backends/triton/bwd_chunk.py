@@ -114,6 +114,8 @@ def kda_bwd_v_kernel(
     chunk-decay gradient dgam); part NKS: the products within the chunk (dAqk, a, dv, dL, beta's
     first terms). MIRROR: dAqk's upper triangle holds its transpose (else zeros)."""
     i_part, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NKS + 1)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
     o_c = tl.arange(0, C)
     if i_part < NKS:
         o_k = i_part * BKS + tl.arange(0, BKS)
@@ -171,6 +173,8 @@ def kda_bwd_k_kernel(
     WHOLE, gc holds cumulative gates from the chunk start (the whole-chunk stage 1), and dAkk leaves
     with its transpose in its upper triangle (for kda_bwd_gate_chunk_kernel)."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
     i_h = i_hv // (HV // H)
     o_i = tl.arange(0, 16)
     o_c = tl.arange(0, C)
@@ -274,6 +278,8 @@ def kda_bwd_gate_chunk_kernel(
     column sums (docs/math.md section 5), the products in PREC (PAIR_PREC of the input dtype). dq
     and dk of this value head (before l2norm) replace dqg and dkd."""
     i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, C)
     o_d = i_s * BS + tl.arange(0, BS)
@@ -343,6 +349,8 @@ def kda_bwd_gate_kernel(
     """Phase C, one feature slice i_s of a chunk (NSK of them): the gated products and the gate
     gradient; dq and dk of this value head (before l2norm) replace dqg and dkd."""
     i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
     i_h = i_hv // (HV // H)
     o_i = tl.arange(0, 16)
     NC: tl.constexpr = C // 16
@@ -525,7 +533,8 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
     dv = alloc(B, T, HV, V, dtype=x.v.dtype, device=dev)
     dg = alloc(B, T, HV, K, dtype=x.g.dtype, device=dev)
     dbeta = alloc(*x.beta.shape, dtype=x.beta.dtype, device=dev)
-    dbias_part = new_empty(NT, HV, K, **f32) if x.dt_bias is not None else None
+    # per-slot partial sums: with use_graph the slots past the real chunks are skipped and must add zero
+    dbias_part = alloc(NT, HV, K, **f32) if x.dt_bias is not None else None
     PREC = dot_config(x.q.dtype)[1]
     if NT > 0:
         BK, BV = pow2(K), pow2(V)
@@ -548,13 +557,13 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
         if whole:
             BSC = min(GATE_CHUNK_SLICE, BK)
             NSC = cdiv(K, BSC)
-            dA_part = new_empty(NT, HV, NSC, **f32) if x.A_log is not None else None
+            dA_part = alloc(NT, HV, NSC, **f32) if x.A_log is not None else None
             kda_bwd_gate_chunk_kernel[(NT * NSC, HV)](
                 x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
                 dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=BSC, NSK=NSC, **gate,
                 **{**where, "PREC": PAIR_PREC[x.q.dtype]}, **launch_options(LAUNCH, "gate_chunk", BK, BV))
         else:
-            dA_part = new_empty(NT, HV, NSK, **f32) if x.A_log is not None else None
+            dA_part = alloc(NT, HV, NSK, **f32) if x.A_log is not None else None
             exact = EXACT_PAIRS if EXACT_PAIRS is not None else x.q.dtype == torch.float32
             s_yb = new_empty(NT, HV, C // 16, K, **f32)  # block sums of the kd terms
             s_B = new_empty(NT, HV, C // 16, C // 16, K, **f32)  # pair sums per block pair

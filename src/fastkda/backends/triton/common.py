@@ -204,9 +204,8 @@ def graph_seqlens(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch
     contract, a 0-dim bool), on the device, without reading anything back. The values are made
     safe to index with: clamped to [0, T] and non-decreasing. Two entries follow, 0 and 1: a
     one-token sequence N+1 at the first row, whose chunk 1 (tokens C.. of a one-token sequence) is
-    where the slots past the last real chunk point (chunk_tables_static): every load and store of
-    such a chunk is masked off as past the sequence end, and the clamped rows it reads (row 0)
-    exist whenever T >= 1."""
+    where the slots past the last real chunk point (chunk_tables_static): a chunk that starts past
+    its sequence's end, whose programs return at once (every kernel on chunk_program)."""
     cu = cu_seqlens.to(torch.int64)
     safe = torch.cummax(cu.clamp(0, T), 0).values
     bad = (safe != cu).any() | (cu[0] != 0)

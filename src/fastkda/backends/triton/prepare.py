@@ -318,6 +318,8 @@ def kda_fwd_intra_chunk_kernel(
     least -5 (-7.22 in base 2) |G| <= 462, so the difference of two such sums carries an error of
     about 1e-4 at most. (One program for both matrices held 255 registers, 2 blocks per SM.)"""
     i_m, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 2)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, C)
     rs += i_p * 2 * C
@@ -382,6 +384,8 @@ def kda_fwd_gates_kernel(
     cumulative sums from the chunk start (no ga) and the chunk decay gl is stored too."""
     NSUB: tl.constexpr = 1 if WHOLE else C // 16
     b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSUB)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
     i_h = i_hv // (HV // H)
     rs += i_p * 2 * C
     if WHOLE:
@@ -413,6 +417,8 @@ def kda_fwd_intra_kernel(
     """Row block r of a chunk: Aqk (stored times scale) and Akk (to the scratch ls, which the
     backward reads too) against blocks j <= r."""
     r, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, C // 16)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
     i_h = i_hv // (HV // H)
     tr = t0 + 16 * r
     o_i = tl.arange(0, 16)
@@ -437,6 +443,8 @@ def kda_fwd_inverse_kernel(
     X_rr = (I + L_rr)^-1,  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj.  Then, with GL, the chunk
     decay gl from the block sums (the whole-chunk path's gates kernel stores it itself)."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
     o_i = tl.arange(0, 16)
     NC: tl.constexpr = C // 16
     ls += i_p * C * C
@@ -484,6 +492,8 @@ def kda_fwd_wu_kernel(
     the chunk start; otherwise block-local ones, and the exponents are sums of block sums and of the
     activated gates ga (never differences of long sums)."""
     i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK + NSV)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
     i_h = i_hv // (HV // H)
     NC: tl.constexpr = C // 16
     rs += i_p * 2 * C

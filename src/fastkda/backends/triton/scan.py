@@ -114,6 +114,8 @@ def kda_fwd_output_kernel(
     """o = qg S + Aqk v' of one chunk and BV value columns, chunk-parallel, from the state entering
     the chunk (h [chunks, HV, K, V], written by the scan) and v'."""
     i_v, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NV)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
