@@ -17,16 +17,17 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import cdiv, mma, pow2, sequence_location
+from .common import cdiv, mma, pow2, scan_stages, sequence_location
 from .scan import _state_ptrs, chunk_operands
 
 BWD_SCAN_BV = 64
 BWD_SCAN_WARPS = 8  # 4 spill registers at K = V = 128
 # (32 value columns on 4 warps faults on the H200 with Triton 3.6, though exact under the
 # interpreter: BENCHMARKS.md. Not launched: 32 columns only for K > 128, on these 8 warps.)
-# software-pipelined chunk loop for K <= 128 (the next chunk's operands load during this one's
-# products): B1 T8192 H64 on the H200 0.718 -> 0.637 ms per call (BENCHMARKS.md)
-BWD_SCAN_STAGES = 2
+# software-pipelined chunk loop for K <= 128 (the next chunks' operands load during this one's
+# products; float32 inputs at most 2 stages): B1 T8192 H64 on the H200 0.718 -> 0.637 -> 0.612 ms
+# per call at 1, 2, 3 stages (BENCHMARKS.md)
+BWD_SCAN_STAGES = 3
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -88,6 +89,6 @@ def bwd_scan(opts, qg, w, kd, Aqk, gl, do, dht, cu_seqlens, chunk_offsets, NT_to
             qg, w, kd, Aqk, gl, do, dht, dhs, dh0, dvn, cu_seqlens, chunk_offsets, T,
             HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=want_dh0,
             V_FIRST=opts.state_v_first, IS_VARLEN=cu_seqlens is not None, DT=DT, PREC=PREC, EMU=EMU,
-            num_warps=BWD_SCAN_WARPS, num_stages=BWD_SCAN_STAGES if BK <= 128 else 1,
+            num_warps=BWD_SCAN_WARPS, num_stages=scan_stages(BWD_SCAN_STAGES, BK, w),
         )
     return dhs, dvn, dh0

@@ -237,6 +237,14 @@ def launch_options(table: dict, name: str, BK: int, BV: int) -> dict:
     return dict(num_warps=warps, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
+def scan_stages(stages: int, BK: int, x: torch.Tensor) -> int:
+    """Pipeline stages of a state scan's chunk loop: ``stages`` for keys up to 128 and 16-bit
+    operands, at most 2 for float32 ones (twice the shared memory per stage), 1 for wider keys."""
+    if BK > 128:
+        return 1
+    return stages if x.element_size() <= 2 else min(stages, 2)
+
+
 # Host-side sizes in plain Python: triton.next_power_of_2 and triton.cdiv are constexpr functions,
 # microseconds per host call, which add up on the decode path (several calls per token).
 def pow2(n: int, lo: int = 16) -> int:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import cdiv, chunk_program, mma, out_alloc, pow2, sequence_location
+from .common import cdiv, chunk_program, mma, out_alloc, pow2, scan_stages, sequence_location
 
 # launch configuration (module-level so that benchmarks can compare variants)
 # o leaves the scan for a chunk-parallel kernel (kda_fwd_output_kernel) when the scan is long and
@@ -28,7 +28,10 @@ SPLIT_MAX_PROGRAMS = 64
 OUT_BV = 64
 SCAN_BV = 64
 SCAN_WARPS = 4
-SCAN_STAGES = 2  # for K <= 128; wider keys run unpipelined on 8 warps (shared memory)
+# pipeline stages of the chunk loop for K <= 128 and 16-bit inputs (float32 inputs: at most 2; wider
+# keys run unpipelined on 8 warps, for shared memory): B1 T8192 H64 on the H200, the two calls of
+# one training step 0.787 -> 0.749 ms at 3 stages instead of 2 (BENCHMARKS.md)
+SCAN_STAGES = 3
 
 
 @triton.jit
@@ -180,7 +183,7 @@ def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep
             HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
             STORE_H=h is not None, STORE_O=o_scan is not None, STORE_VN=vn is not None, V_FIRST=opts.state_v_first,
             H_V_FIRST=opts.state_v_first and not (keep or split), IS_VARLEN=cu_seqlens is not None, DT=DT, PREC=PREC,
-            EMU=EMU, num_warps=SCAN_WARPS if BK <= 128 else 8, num_stages=SCAN_STAGES if BK <= 128 else 1,
+            EMU=EMU, num_warps=SCAN_WARPS if BK <= 128 else 8, num_stages=scan_stages(SCAN_STAGES, BK, p.w),
         )
     if split and p.NT_total > 0:
         BVO = min(pow2(V), OUT_BV)
