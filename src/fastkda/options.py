@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -187,6 +189,37 @@ def _gate_params(
     return GateMode.SOFTPLUS if lower_bound is None else GateMode.LOWER_BOUND
 
 
+# Host copies of recently seen cu_seqlens: {id: (weak reference, version, layout, int64 host copy)}
+_HOST_COPIES: OrderedDict = OrderedDict()
+HOST_COPIES = 8  # tensors remembered (0: read the values back on every call)
+
+
+def host_seqlens(cu: torch.Tensor) -> torch.Tensor:
+    """The values of ``cu`` (cu_seqlens) as an int64 CPU tensor (a copy). A device tensor is read
+    back once and the copy reused (a CPU tensor's alike) while the same tensor object comes back
+    unchanged: same version counter (which every in-place PyTorch operation advances), storage,
+    shape and strides. So the layers of a model that share one cu_seqlens wait for the device once
+    per step, not once per call (a read-back drains the device's queue). A tensor written behind
+    PyTorch's back (by a custom kernel or a replayed CUDA graph) keeps its version: pass a new
+    tensor or ``cu_seqlens_cpu`` then. Inference tensors have no version counter: read every call."""
+    try:
+        version = cu._version
+    except RuntimeError:  # an inference tensor: no version counter
+        version = None
+    if version is None or HOST_COPIES <= 0:
+        return cu.detach().to("cpu", torch.int64, copy=True)
+    layout = (cu.data_ptr(), cu.storage_offset(), tuple(cu.shape), cu.stride(), cu.dtype, cu.device)
+    hit = _HOST_COPIES.get(id(cu))
+    if hit is not None and hit[0]() is cu and hit[1] == version and hit[2] == layout:
+        _HOST_COPIES.move_to_end(id(cu))
+        return hit[3]
+    host = cu.detach().to("cpu", torch.int64, copy=True)  # never an alias of a CPU cu
+    _HOST_COPIES[id(cu)] = (weakref.ref(cu), version, layout, host)
+    while len(_HOST_COPIES) > HOST_COPIES:
+        _HOST_COPIES.popitem(last=False)
+    return host
+
+
 def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch.Tensor, check_values: bool | None):
     """Checks cu_seqlens; returns (N, host copy or None). check_values: True always reads the
     values (a device-to-host copy), None only when they are on the CPU, False never."""
@@ -205,7 +238,7 @@ def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch
             raise ValueError(f"`cu_seqlens_cpu` must be a CPU int tensor shaped like cu_seqlens {list(cu.shape)}, got {_fmt(host)}")
         host = host.to(torch.int64)
     elif check_values or (check_values is None and cu.device.type == "cpu"):
-        host = cu.detach().to("cpu", torch.int64)
+        host = host_seqlens(cu)
     if host is not None:
         check_seqlens(host.tolist(), T)
     return cu.numel() - 1, host

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...options import host_seqlens
 from ...testing import new_empty
 from .common import activate_gate, cdiv, chunk_location, chunk_tables, contiguous, gate_backward, gate_launch, pow2
 
@@ -110,7 +111,7 @@ def gate_chunk_cumsum(opts, g, A_log, dt_bias, cu_seqlens):
     g, A_log, dt_bias, cu_seqlens = (contiguous(t) for t in (g, A_log, dt_bias, cu_seqlens))
     y = new_empty(B, T, HV, K, dtype=opts.output_dtype, device=g.device)
     if cu_seqlens is not None:
-        chunk_indices, _, NT_total = chunk_tables(cu_seqlens.detach().cpu(), C, g.device)
+        chunk_indices, _, NT_total = chunk_tables(host_seqlens(cu_seqlens), C, g.device)
     else:
         chunk_indices, NT_total = None, B * cdiv(T, C)
     if NT_total:
