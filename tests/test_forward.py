@@ -1,6 +1,8 @@
 """chunk_kda forward on every backend, every axis of SPEC section 6, against the float64
 per-token reference."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import BACKENDS, DEVICE, GPU
@@ -9,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastkda import chunk_kda, use_backend
+from fastkda.options import GateMode
 from fastkda.testing import Case, make_inputs, reference
 
 
@@ -179,16 +182,67 @@ def test_split_output(axis, rng, monkeypatch):
         check("final_state", s, s_ref, tol)
 
 
+ANY_GATE = {  # unbounded gates (inference): both forms of the diagonal blocks, large cumulative sums
+    "softplus_varlen_gva": (Case(seqlens=(70, 1, 0, 93), H=2, HV=4, gate="softplus", l2norm=True, beta_sigmoid=True),
+                            {1}),
+    "extreme_softplus": (AXES["extreme_softplus"], {0}),  # |G| ~ 4e4 in a chunk: the rounding errors count
+    "extreme_lowerbound": (AXES["extreme_lowerbound"], {0}),  # a lower bound past -5 without safe_gate
+    "lowerbound_chunk32_vfirst": (Case(T=90, gate="lowerbound", lower_bound=-8.0, chunk_size=32, state_v_first=True),
+                                  {1}),
+    "softplus_bf16_k64_v16": (Case(T=130, K=64, V=16, gate="softplus", dtype=torch.bfloat16, l2norm=True,
+                                   gate_spread=4.0, A_log_range=(0.0, 2.0)), {0, 1}),
+    "extreme_bf16": (Case(T=90, gate="softplus", dtype=torch.bfloat16, gate_spread=30.0, A_log_range=(-5.0, 5.0),
+                          initial_state=False), {0}),
+}
+
+
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
-def test_whole_chunk_path_needs_bounded_gates():
-    """Stage 1's whole-chunk path refuses unbounded gates (its differences of cumulative sums would
-    lose precision there) with a ValueError, before anything is launched."""
+@pytest.mark.parametrize("axis", list(ANY_GATE))
+def test_whole_chunk_any_gate(axis, rng, monkeypatch):
+    """Unbounded gates in inference take the whole-chunk path too: cumulative sums kept exactly
+    (float32 plus their rounding errors) and, chunk by chunk, the middle anchor or the half-segment
+    levels on the diagonal blocks (docs/math.md section 3). Against the reference, and the block
+    path (prepare.WHOLE_ANY off) on the same inputs."""
+    from fastkda.backends.triton import function, prepare
+
+    base, forms = ANY_GATE[axis]
+    case = grow(base, GPU)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    kept = []
+    fwd_intra = prepare.fwd_intra
+    monkeypatch.setattr(function, "fwd_intra", lambda *a, **kw: kept.append(fwd_intra(*a, **kw)) or kept[-1])
+    with use_backend("triton"), torch.no_grad():
+        o, s = chunk_kda(**x, chunk_size=case.chunk_size)
+        p = kept[-1]
+        assert p.ga is None and p.gd is not None, "the whole-chunk path for unbounded gates did not run"
+        seen = set(p.gok.flatten().tolist())
+        assert forms <= seen, f"diagonal forms {seen}, expected {forms} among them (1: middle anchor, 0: levels)"
+        monkeypatch.setattr(prepare, "WHOLE_ANY", False)
+        o_b, s_b = chunk_kda(**x, chunk_size=case.chunk_size)
+        assert kept[-1].ga is not None, "the block path did not run"
+    o_ref, s_ref = reference(x)
+    tol = tol_for(case.dtype, "triton")
+    check("o (whole-chunk path)", o, o_ref, tol)
+    check("o (block path)", o_b, o_ref, tol)
+    if case.final_state:
+        check("final_state (whole-chunk path)", s, s_ref, tol)
+        check("final_state (block path)", s_b, s_ref, tol)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+def test_whole_chunk_path_needs_activated_gates():
+    """Stage 1's whole-chunk path refuses pre-activated gates (nothing bounds their sign) with a
+    ValueError, before anything is launched; the training forward of unbounded gates keeps the
+    block path, which the backward reads."""
     from fastkda.backends.triton import prepare
 
     x = make_inputs(Case(T=20))
     opts, inp = plain_options(x)
-    with pytest.raises(ValueError, match="bounded gates"):
+    with pytest.raises(ValueError, match="gates activated in the kernel"):
         prepare.fwd_prepare(opts, inp.q, inp.k, inp.v, inp.g, inp.beta, None, None, None, None, whole=True)
+    assert not prepare.whole_forward(opts, False, False)
+    opts = dataclasses.replace(opts, gate=GateMode.SOFTPLUS)
+    assert prepare.whole_forward(opts, False, False) and not prepare.whole_forward(opts, True, False)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

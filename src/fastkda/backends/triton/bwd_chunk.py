@@ -255,8 +255,8 @@ def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0
     gradients are loaded per level, the level's entries only: as they are from the lower triangle,
     transposed from the upper one (kda_bwd_v_kernel MIRROR, kda_bwd_k_kernel WHOLE; docs/math.md
     section 5). The diagonal of dAqk is left to the caller."""
-    m, b_r, b_c = _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, 1, S)
-    m_t = level_pairs(o_c[None, :], o_c[:, None], 1, S)  # the level's transposed entries: upper triangle
+    m, b_r, b_c = _anchored(b_G, 0.0, gc, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, 1, S, False, False)
+    m_t = level_pairs(o_c[None, :], o_c[:, None], 1, S, False)  # the level's transposed entries: upper triangle
     b_kc = b_k * b_c
     b_dq += b_r * _mm(tl.load(s_dA + o_cc, mask=m, other=0.0), b_kc, PREC)
     b_col = _mm(tl.load(s_dA + o_cc, mask=m_t, other=0.0), b_q * b_r, PREC)

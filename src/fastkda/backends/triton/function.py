@@ -27,7 +27,7 @@ from ...options import KDAInputs, KDAOptions
 from .bwd_chunk import bwd_chunk, bwd_qk, whole_backward
 from .bwd_scan import bwd_scan
 from .common import contiguous, contiguous_inputs, dot_config, graph_seqlens
-from .prepare import Prepared, chunk_tables_of, fwd_intra, fwd_wu
+from .prepare import Prepared, chunk_tables_of, fwd_intra, fwd_wu, whole_forward
 from .scan import fwd_scan
 
 
@@ -56,7 +56,7 @@ def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: b
     (``bwd_chunk.whole_backward``). ``intra``: the output of ``fwd_intra`` kept from the forward,
     from which only ``fwd_wu`` and the scan run."""
     if intra is None:
-        whole = opts.safe_gate and (not train or whole_backward(opts, x.q.dtype))
+        whole = whole_forward(opts, train, whole_backward(opts, x.q.dtype))
         intra = fwd_intra(opts, x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, x.cu_seqlens_cpu, whole)
     p = fwd_wu(opts, intra, x.q, x.k, x.v, x.beta, x.cu_seqlens)
     o, ht, h, vn = fwd_scan(opts, p, x.initial_state, x.cu_seqlens, x.v.dtype, *dot_config(x.q.dtype),

@@ -15,10 +15,14 @@ gates):
                                     k e^(G_last - G)
 
 The whole-chunk path (bounded gates, ``safe_gate``: inference, and training with bfloat16
-inputs, ``bwd_chunk.whole_backward``):
+inputs, ``bwd_chunk.whole_backward``; gates activated in the kernel, unbounded, in inference:
+``whole_forward``, with the cumulative sums kept exactly and a per-chunk form of the diagonal
+blocks, docs/math.md section 3):
 
-    gates    (chunk, head)          gate activation, cumulative sums from the chunk start (``gc``),
-                                    the chunk decay (``gl``), the row norms (``rs``)
+    gates    (chunk, head)          gate activation, cumulative sums from the chunk start (``gc``;
+                                    unbounded gates: their rounding errors ``gd`` and the form of
+                                    the diagonal blocks ``gok``), the chunk decay (``gl``), the row
+                                    norms (``rs``)
     intra    (chunk, matrix, head)  Aqk or Akk of the whole chunk, [C, C] products level by level
     inverse  (chunk, head)          X, as above
     wu       (chunk, slice, head)   as above
@@ -40,8 +44,9 @@ as a difference of two cumulative sums (which loses precision for large gates): 
 total, and the gates after a token are a reverse cumulative sum of the stored activated gates
 (``ga``). The whole-chunk path takes differences of cumulative sums from the chunk start: bounded
 gates keep those sums below 462 in magnitude, so a difference carries an error of about 1e-4 at
-most (a few float32 roundings of the sums), below the products' own precision (docs/math.md
-section 3).
+most (a few float32 roundings of the sums), below the products' own precision; for unbounded
+gates each sum is kept as float32 plus its rounding error (``gd``), and a difference of two such
+pairs is accurate relative to the difference itself (docs/math.md section 3).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...options import GateMode
 from ...testing import new_empty
 from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tables, chunk_tables_static, dot_config,
                      gate_launch, launch_options, pow2, row_of)
@@ -62,8 +68,13 @@ from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tabl
 # "inverse" at 1 warp and "intra" capped at 128 registers: B1 T8192 H64 on the H200, one training
 # step (0.21 -> 0.18 ms per call; softplus intra 2.83 -> 2.57 ms per call; 2.29 ms since the
 # diagonal blocks' levels, against 4.13 ms at 4 warps without the cap)
+WHOLE_ANY = True  # unbounded gates take the whole-chunk path in inference (whole_forward)
 LAUNCH = {"gates": (4, None), "intra": (2, 128), "chunk": (4, None), "inverse": (1, None), "wu": (8, None)}
 SLICE = 32  # feature columns per tile
+# unbounded gates on the whole-chunk path: the middle anchor of a chunk's diagonal 16-token blocks
+# while every factor it makes stays below 2^DIAG_SPAN (float32 overflows at 2^128; the operands
+# times the factors keep a margin of 2^32); otherwise the half-segment levels (any gate)
+DIAG_SPAN = tl.constexpr(96.0)
 CHUNK_SLICE = 64  # feature columns per step of the whole-chunk intra kernel
 WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_launch.py --set)
 
@@ -271,71 +282,104 @@ def _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, J, C: tl.constexp
 
 
 @triton.jit
-def level_pairs(i, j, strict, S: tl.constexpr):
+def level_pairs(i, j, strict, S: tl.constexpr, HALF: tl.constexpr):
     """Mask of the pairs (i, j) of level S (see _anchored); level_pairs(j, i, ..) is its transpose."""
-    if S == 16:
+    if S == 16 and not HALF:
         return ((i // S) == (j // S)) & (j <= i - strict)
     return half_pairs(i, j, S)
 
 
 @triton.jit
-def _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict, S: tl.constexpr):
-    """Level S of a chunk's pairs (docs/math.md section 3): (mask [C, C] of its pairs i >= j + strict,
-    row factors e^(G - G_a), column factors e^(G_a - G) [C, BS]) with one anchor a per row and
-    column. S = 16: the diagonal blocks, anchored at their middle token (factors up to 8 gates,
-    |exponent| <= 58 for bounded gates). S = 32, 64: every S-row segment's second half against its
-    first, anchored at the first half's last token: exponents <= 0 on the pairs kept, clamped at 0
-    elsewhere (finite, discarded)."""
-    if S == 16:
-        b_a = _c(gc, bos, t0, T_seq, i_hv, HV, K, (o_c // 16) * 16 + 8, o_d)  # each row's anchor
-        b_r = tl.exp2(b_G - b_a)
-        b_c = tl.exp2(b_a - b_G)
-    else:
-        b_a = _c(gc, bos, t0, T_seq, i_hv, HV, K, (o_c // S) * S + S // 2 - 1, o_d)
-        b_r = tl.exp2(tl.minimum(b_G - b_a, 0.0))
-        b_c = tl.exp2(tl.minimum(b_a - b_G, 0.0))
-    return level_pairs(o_c[:, None], o_c[None, :], strict, S), b_r, b_c
+def _c_lo(gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_i, o_d, ANY: tl.constexpr):
+    """With ANY, the rounding errors of the stored cumulative gates (gd, float16) at rows t0 + o_i, as
+    ``_c``: the exact sums are gc + gd. Without it, zeros."""
+    if ANY:
+        return _c(gd, bos, t0, T_seq, i_hv, HV, K, o_i, o_d).to(tl.float32)
+    return tl.zeros([o_i.shape[0], o_d.shape[0]], tl.float32)
 
 
 @triton.jit
-def _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict,
-           S: tl.constexpr, PREC: tl.constexpr):
+def _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict,
+              S: tl.constexpr, HALF: tl.constexpr, ANY: tl.constexpr):
+    """Level S of a chunk's pairs (docs/math.md section 3): (mask [C, C] of its pairs i >= j + strict,
+    row factors e^(G - G_a), column factors e^(G_a - G) [C, BS]) with one anchor a per row and
+    column. S = 16 without HALF: the diagonal blocks, anchored at their middle token (factors up to
+    8 gates: |exponent| <= 58 for bounded gates, at most the block's span for others). Otherwise
+    every S-row segment's second half against its first, anchored at the first half's last token:
+    exponents <= 0 on the pairs kept, clamped at 0 elsewhere (finite, discarded). With ANY
+    (unbounded gates) b_L and gd hold the rounding errors of the float32 sums b_G and gc, and each
+    exponent is (G_hi - G_a,hi) + (G_lo - G_a,lo): exact to float32 precision of the difference
+    itself, however large G is."""
+    if S == 16 and not HALF:
+        o_a = (o_c // 16) * 16 + 8  # each row's anchor
+    else:
+        o_a = (o_c // S) * S + S // 2 - 1
+    b_e = b_G - _c(gc, bos, t0, T_seq, i_hv, HV, K, o_a, o_d)  # G - G_a   [C, BS]
+    if ANY:
+        b_e += b_L - _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_a, o_d, ANY)
+    if S == 16 and not HALF:
+        b_r = tl.exp2(b_e)
+        b_c = tl.exp2(-b_e)
+    else:
+        b_r = tl.exp2(tl.minimum(b_e, 0.0))
+        b_c = tl.exp2(tl.minimum(-b_e, 0.0))
+    return level_pairs(o_c[:, None], o_c[None, :], strict, S, HALF), b_r, b_c
+
+
+@triton.jit
+def _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict,
+           S: tl.constexpr, HALF: tl.constexpr, ANY: tl.constexpr, PREC: tl.constexpr):
     """Add level S of a chunk's Aqk (b_x = q) or Akk (b_x = k, ``strict`` = 1: below the diagonal
     only) for one feature slice: a [C, C] product whose entries outside the level are discarded."""
-    m, b_r, b_c = _anchored(b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, strict, S)
+    m, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, strict, S, HALF, ANY)
     return b_A + tl.where(m, tl.dot(b_x * b_r, tl.trans(b_k * b_c), input_precision=PREC), 0.0)
 
 
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_intra_chunk_kernel(
-    q, k, gc, rs, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
+    q, k, gc, gd, gok, rs, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, ANY: tl.constexpr,
 ):
-    """Bounded gates (the safe path), two programs per chunk: Aqk (times scale; part 0) or Akk (to
-    the scratch ls; part 1) of the whole chunk as [C, C] products level by level, from the
-    cumulative gates of the whole chunk (gc, from the gates kernel in WHOLE mode). For gates of at
-    least -5 (-7.22 in base 2) |G| <= 462, so the difference of two such sums carries an error of
-    about 1e-4 at most. (One program for both matrices held 255 registers, 2 blocks per SM.)"""
+    """Two programs per chunk: Aqk (times scale; part 0) or Akk (to the scratch ls; part 1) of the
+    whole chunk as [C, C] products level by level, from the cumulative gates of the whole chunk
+    (gc, from the gates kernel in WHOLE mode). For gates of at least -5 (-7.22 in base 2)
+    |G| <= 462, so the difference of two such sums carries an error of about 1e-4 at most. With ANY
+    (unbounded gates) the sums are exact (gc + gd), and the diagonal blocks of a chunk where the
+    middle anchor would make a factor above 2^DIAG_SPAN (gok = 0) take four levels of half-segment
+    pairs (16, 8, 4, 2 tokens) and the diagonal instead. (One program for both
+    matrices held 255 registers, 2 blocks per SM.)"""
     i_m, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 2)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, C)
     rs += i_p * 2 * C
+    mid = True
+    if ANY:
+        mid = tl.load(gok + i_p) != 0  # the middle anchor keeps this chunk's factors finite
     b_A = tl.zeros([C, C], tl.float32)
     for s in range(0, BK, BS):
         o_d = s + tl.arange(0, BS)
         b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)  # [C, BS]
+        b_L = _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)
         b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d)
         if i_m == 0:
             b_x = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d)
         else:
             b_x = b_k
         if C == 64:
-            b_A = _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 64, PREC)
-        b_A = _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 32, PREC)
-        b_A = _level(b_A, b_x, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 16, PREC)
+            b_A = _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 64, True, ANY, PREC)
+        b_A = _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 32, True, ANY, PREC)
+        if mid:
+            b_A = _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 16, False, ANY,
+                         PREC)
+        else:  # every exponent <= 0: any gate
+            for lvl in tl.static_range(4):
+                b_A = _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 16 >> lvl, True,
+                             ANY, PREC)
+            if i_m == 0:  # Aqk's diagonal: factor e^0 = 1
+                b_A += tl.where(o_c[:, None] == o_c[None, :], tl.sum(b_x * b_k, 1)[:, None], 0.0)
     b_rk = tl.load(rs + C + o_c)[None, :]
     if i_m == 0:
         _put(Aqk, b_A * (tl.load(rs + o_c) * scale)[:, None] * b_rk, bos, t0, T_seq, i_hv, HV, C, o_c, o_c)
@@ -374,14 +418,17 @@ def _mm(a, b):
 
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_gates_kernel(
-    q, k, g, A_log, dt_bias, gc, ga, gl, rs, cu_seqlens, chunk_indices, lower_bound, T,
+    q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, cu_seqlens, chunk_indices, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    WHOLE: tl.constexpr,
+    WHOLE: tl.constexpr, ANY: tl.constexpr,
 ):
     """Block b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
-    of its rows (rs). With WHOLE (bounded gates), the whole chunk in one program: gc holds the
-    cumulative sums from the chunk start (no ga) and the chunk decay gl is stored too."""
+    of its rows (rs). With WHOLE, the whole chunk in one program: gc holds the cumulative sums from
+    the chunk start (no ga) and the chunk decay gl is stored too. With ANY (WHOLE for unbounded
+    gates) the sums are taken in float64 and kept as float32 (gc) plus their rounding error (gd,
+    float16), and gok says whether the middle anchor of the chunk's 16-token blocks keeps every
+    exponent within DIAG_SPAN (base 2)."""
     NSUB: tl.constexpr = 1 if WHOLE else C // 16
     b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSUB)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
@@ -390,12 +437,27 @@ def kda_fwd_gates_kernel(
     rs += i_p * 2 * C
     if WHOLE:
         o_c = tl.arange(0, C)
+        b_span = tl.full([], 0.0, tl.float32)  # the largest middle-anchor exponent (ANY)
         for s in range(0, BK, BS):
             o_d = s + tl.arange(0, BS)
             b_g = _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A,
                              HAS_BIAS)
-            _put(gc, tl.cumsum(b_g, 0), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+            if ANY:
+                b_G64 = tl.cumsum(b_g.to(tl.float64), 0)
+                b_G = b_G64.to(tl.float32)
+                _put(gd, (b_G64 - b_G.to(tl.float64)).to(tl.float32), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+                # the middle anchor's largest exponents: G_0 - G_8 (rows) and G_8 - G_15 (columns) of
+                # every block (G is non-increasing: G_8 is the largest of rows 8..15)
+                b_blk = tl.reshape(b_G, [C // 16, 16, BS])
+                b_mid = tl.max(tl.where((tl.arange(0, 16) >= 8)[None, :, None], b_blk, float("-inf")), 1)
+                b_half = tl.maximum(tl.max(b_blk, 1) - b_mid, b_mid - tl.min(b_blk, 1))
+                b_span = tl.maximum(b_span, tl.max(b_half))
+            else:
+                b_G = tl.cumsum(b_g, 0)
+            _put(gc, b_G, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
             tl.store(gl + i_p * K + o_d, tl.exp2(tl.sum(b_g, 0)), mask=o_d < K)
+        if ANY:
+            tl.store(gok + i_p, (b_span <= DIAG_SPAN).to(tl.int32))
         tl.store(rs + o_c, _rstd(q, bos, t0, T_seq, i_h, H, K, o_c, BK, BS, L2NORM))
         tl.store(rs + C + o_c, _rstd(k, bos, t0, T_seq, i_h, H, K, o_c, BK, BS, L2NORM))
     else:
@@ -480,10 +542,10 @@ def _blocks_around(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_wu_kernel(
-    q, k, v, beta, gc, ga, rs, xs, w, u, qg, kd, cu_seqlens, chunk_indices, scale, T,
+    q, k, v, beta, gc, ga, gd, rs, xs, w, u, qg, kd, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BS: tl.constexpr,
     NSK: tl.constexpr, NSV: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr, WHOLE: tl.constexpr,
+    PREC: tl.constexpr, WHOLE: tl.constexpr, ANY: tl.constexpr,
 ):
     """Feature slice i_s of the chunk's w (the first NSK slices) or u (the rest, NSV), the whole
     chunk as one [C, C] x [C, BS] product (0.50 ms at B1 T8192 H64 on the H200, 8 warps; row block
@@ -509,7 +571,11 @@ def kda_fwd_wu_kernel(
             b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
             b_e = tl.exp2(b_G)
             b_last = _c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)  # G at the chunk end   [BS]
-            b_d = tl.exp2(b_last[None, :] - b_G)
+            b_dG = b_last[None, :] - b_G
+            if ANY:  # plus the difference of the rounding errors: exact for any gate
+                b_dG += _c_last(gd, bos, t0, T_seq, i_hv, HV, K, C, o_d).to(tl.float32)[None, :] - _c_lo(
+                    gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)
+            b_d = tl.exp2(b_dG)
         else:  # G: own block's cumulative gates + earlier blocks'; G_last - G: the rest of the block + later blocks'
             b_before, b_after = _blocks_around(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d)
             b_e = tl.exp2(_c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + b_before)
@@ -541,6 +607,8 @@ class Prepared(NamedTuple):
     chunk_indices: torch.Tensor | None
     chunk_offsets: torch.Tensor | None
     NT_total: int
+    gd: torch.Tensor | None = None  # unbounded gates, whole chunks: gc's rounding errors (float16) [B, T, HV, K]
+    gok: torch.Tensor | None = None  # and whether a chunk's diagonal blocks take the middle anchor [NT, HV]
 
 
 def chunk_tables_of(opts, cu_seqlens, cu_host) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
@@ -553,8 +621,17 @@ def chunk_tables_of(opts, cu_seqlens, cu_host) -> tuple[torch.Tensor | None, tor
     return None, None, opts.shape.B * cdiv(opts.shape.T, opts.chunk_size)
 
 
+def whole_forward(opts, train: bool, whole_bwd: bool) -> bool:
+    """Whether stage 1 takes the whole-chunk path: bounded gates (``safe_gate``) in inference, or in
+    training when the backward takes it too (``whole_bwd``: bwd_chunk.whole_backward); with
+    WHOLE_ANY, any gate the kernels activate (non-positive by construction) in inference."""
+    if opts.safe_gate:
+        return not train or whole_bwd
+    return WHOLE_ANY and not train and opts.gate != GateMode.PREGATED
+
+
 def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=False) -> Prepared:
-    """Launch stage 1. ``whole`` (bounded gates only) takes the whole-chunk path: ``gc`` then holds
+    """Launch stage 1. ``whole`` (whole_forward) takes the whole-chunk path: ``gc`` then holds
     cumulative gates from the chunk start and ``ga`` is None (the backward's kernels follow)."""
     p = fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole)
     return fwd_wu(opts, p, q, k, v, beta, cu_seqlens)
@@ -571,8 +648,9 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
     stage 1 that is not cheap to recompute)."""
     s, C = opts.shape, opts.chunk_size
     B, T, H, HV, K = s.B, s.T, s.H, s.HV, s.K
-    if whole and not opts.safe_gate:
-        raise ValueError("the whole-chunk path needs bounded gates (safe_gate=True)")
+    if whole and not opts.safe_gate and opts.gate == GateMode.PREGATED:
+        raise ValueError("the whole-chunk path needs gates activated in the kernel (non-positive)")
+    any_gate = whole and not opts.safe_gate  # unbounded gates on the whole-chunk path: exact sums
     chunk_indices, chunk_offsets, NT_total = chunk_tables_of(opts, cu_seqlens, cu_host)
     dev, dt = q.device, q.dtype
     Aqk = new_empty(B, T, HV, C, dtype=dt, device=dev)
@@ -582,7 +660,9 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
     ls = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # Akk, lower blocks
     xs = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # (I + L)^-1, lower blocks
     rs = new_empty(NT_total, HV, 2, C, dtype=torch.float32, device=dev)  # 1/|q|, 1/|k| of every row
-    p = Prepared(None, None, None, None, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total)
+    gd = new_empty(B, T, HV, K, dtype=torch.float16, device=dev) if any_gate else None  # gc's rounding errors
+    gok = new_empty(NT_total, HV, dtype=torch.int32, device=dev) if any_gate else None
+    p = Prepared(None, None, None, None, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total, gd, gok)
     PREC = dot_config(dt)[1]  # products are float32: tensor-core tf32 for 16-bit inputs
     if NT_total > 0:
         BK = pow2(K)
@@ -594,12 +674,12 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
         # parallelism's fused identity run runs the binaries tuned and tested for V = K); the
         # slice width also stays within V's (16 columns for V <= 16)
         kda_fwd_gates_kernel[(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
-            q, k, g, A_log, dt_bias, gc, ga, gl, rs, H=H, K=K, BK=BK, BS=BS, L2NORM=opts.qk_l2norm, WHOLE=whole,
-            **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
+            q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, H=H, K=K, BK=BK, BS=BS, L2NORM=opts.qk_l2norm,
+            WHOLE=whole, ANY=any_gate, **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
         if whole:
             kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
-                q, k, gc, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=min(CHUNK_SLICE, BK), PREC=PREC, **where,
-                **launch_options(LAUNCH, "chunk", BK, BK))
+                q, k, gc, gd, gok, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=min(CHUNK_SLICE, BK), PREC=PREC,
+                ANY=any_gate, **where, **launch_options(LAUNCH, "chunk", BK, BK))
         else:
             kda_fwd_intra_kernel[(NT_total * NC, HV)](
                 q, k, gc, ga, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate, PREC=PREC,
@@ -622,7 +702,7 @@ def fwd_wu(opts, p: Prepared, q, k, v, beta, cu_seqlens) -> Prepared:
         BS = min(WU_SLICE, BK, BV)
         NSK, NSV = cdiv(K, BS), cdiv(V, BS)
         kda_fwd_wu_kernel[(p.NT_total * (NSK + NSV), HV)](
-            q, k, v, beta, p.gc, p.ga, p.rs, p.xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS, NSK=NSK,
-            NSV=NSV, PREC=dot_config(dt)[1], WHOLE=p.ga is None, SIGMOID=opts.beta_sigmoid,
+            q, k, v, beta, p.gc, p.ga, p.gd, p.rs, p.xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS, NSK=NSK,
+            NSV=NSV, PREC=dot_config(dt)[1], WHOLE=p.ga is None, ANY=p.gd is not None, SIGMOID=opts.beta_sigmoid,
             BETA_SCALE=opts.beta_scale, **_where(opts, p, cu_seqlens), **launch_options(LAUNCH, "wu", BK, BV))
     return p._replace(w=w, u=u, qg=qg, kd=kd)
