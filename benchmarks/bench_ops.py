@@ -209,7 +209,8 @@ def breakdown(name="B1 T8192 H64"):
     rows = []
     with torch.inference_mode():
         opts, inp = chunk_options(*x.values(), **call)
-        args = (opts, inp.q, inp.k, inp.v, inp.g, inp.beta, inp.A_log, inp.dt_bias, None, None, opts.safe_gate)
+        args = (opts, inp.q, inp.k, inp.v, inp.g, inp.beta, inp.A_log, inp.dt_bias, None, None,
+                prepare.whole_forward(opts, False, False))
         out = prepare.fwd_prepare(*args)  # the path inference takes
         ms = tt.do_bench(lambda: prepare.fwd_prepare(*args), warmup=25, rep=100, return_mode="median")
         rows.append({"stage": "prepare", "ms": ms})

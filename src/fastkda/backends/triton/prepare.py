@@ -45,8 +45,8 @@ total, and the gates after a token are a reverse cumulative sum of the stored ac
 (``ga``). The whole-chunk path takes differences of cumulative sums from the chunk start: bounded
 gates keep those sums below 462 in magnitude, so a difference carries an error of about 1e-4 at
 most (a few float32 roundings of the sums), below the products' own precision; for unbounded
-gates each sum is kept as float32 plus its rounding error (``gd``), and a difference of two such
-pairs is accurate relative to the difference itself (docs/math.md section 3).
+gates each sum is kept as float32 plus its rounding error (``gd``, float16), and a difference of
+two such pairs is off by its own rounding plus about |G| 2^-34 (docs/math.md section 3).
 """
 
 from __future__ import annotations
@@ -308,8 +308,8 @@ def _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.co
     every S-row segment's second half against its first, anchored at the first half's last token:
     exponents <= 0 on the pairs kept, clamped at 0 elsewhere (finite, discarded). With ANY
     (unbounded gates) b_L and gd hold the rounding errors of the float32 sums b_G and gc, and each
-    exponent is (G_hi - G_a,hi) + (G_lo - G_a,lo): exact to float32 precision of the difference
-    itself, however large G is."""
+    exponent is (G_hi - G_a,hi) + (G_lo - G_a,lo): off by the difference's own rounding plus about
+    |G| 2^-34 (float16 errors), not |G| 2^-24."""
     if S == 16 and not HALF:
         o_a = (o_c // 16) * 16 + 8  # each row's anchor
     else:
@@ -572,7 +572,7 @@ def kda_fwd_wu_kernel(
             b_e = tl.exp2(b_G)
             b_last = _c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)  # G at the chunk end   [BS]
             b_dG = b_last[None, :] - b_G
-            if ANY:  # plus the difference of the rounding errors: exact for any gate
+            if ANY:  # plus the difference of the rounding errors (docs/math.md section 3)
                 b_dG += _c_last(gd, bos, t0, T_seq, i_hv, HV, K, C, o_d).to(tl.float32)[None, :] - _c_lo(
                     gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)
             b_d = tl.exp2(b_dG)
