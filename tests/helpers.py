@@ -103,5 +103,38 @@ def finite(t):
     return t is not None and bool(torch.isfinite(t).all())
 
 
-__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "gate_slope", "gate_input_error", "tol_for", "bounded", "plain_options", "spy_launches", "finite",
+__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "gate_slope", "gate_input_error", "tol_for", "bounded", "plain_options", "spy_launches", "finite", "forced_gates", "FORMS",
            "math"]
+
+
+FORMS = {"small": 1, "huge": 0, "front": 0, "edge": 1}
+
+
+def forced_gates(x: dict, C: int, layout) -> set:
+    """Raw gate inputs set chunk by chunk (cyclically): "small" (-30 and below: activated gates near
+    0; the middle anchor), "huge" (30 and above: 8 tokens' gates far past 2^96 in base 2; the
+    levels), "front" (the first 4 tokens huge, the rest as drawn minus 1: cumulative sums of 10^2 to
+    10^4 whose differences are of order one, where float32 differences of the sums lose precision;
+    the levels) or "edge" (with a lower bound of -8: the first 8 tokens at the bound, the rest near 0,
+    a middle-anchor exponent of 11.5 * 8 = 92 <= 96 in base 2 and differences of order one next to
+    sums near 92; the middle anchor). Returns the forms of the chunks of at least 16 tokens (1:
+    middle anchor, 0: levels)."""
+    g, T = x["g"], x["g"].shape[1]
+    forms = set()
+    with torch.no_grad():
+        for c in range(-(-T // C)):
+            t0, kind = c * C, layout[c % len(layout)]
+            rows = slice(t0, t0 + C)
+            if kind == "huge":
+                g[:, rows] = 30.0 + g[:, rows].abs()
+            elif kind == "small":
+                g[:, rows] = -30.0 - g[:, rows].abs()
+            elif kind == "front":
+                g[:, t0 + 4:t0 + C] -= 1.0
+                g[:, t0:t0 + 4] = 30.0 + g[:, t0:t0 + 4].abs()
+            else:  # edge
+                g[:, t0 + 8:t0 + C] = -30.0 - g[:, t0 + 8:t0 + C].abs()
+                g[:, t0:t0 + 8] = 30.0 + g[:, t0:t0 + 8].abs()
+            if T - t0 >= 16:
+                forms.add(FORMS[kind])
+    return forms

@@ -3,7 +3,8 @@
 import pytest
 import torch
 from conftest import BACKWARD_BACKENDS, DEVICE, GPU
-from helpers import AXES, OPTION_SPACE, bounded, check, check_grads, grow, random_case, spy_launches, tol_for
+from helpers import (AXES, OPTION_SPACE, bounded, check, check_grads, forced_gates, grow, random_case, spy_launches,
+                     tol_for)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,9 +19,12 @@ BWD_AXES["varlen"] = Case(seqlens=(1, 40, 0, 33, 65))
 BWD_AXES["deep_decay"] = AXES["deep_decay"].replace(T=200)
 
 
-def backend_grads(backend, case, rng, disable_recompute=False):
-    """(inputs, gradients of every input, do, dht) of one backend's backward with random do, dht."""
+def backend_grads(backend, case, rng, disable_recompute=False, layout=None):
+    """(inputs, gradients of every input, do, dht) of one backend's backward with random do, dht;
+    ``layout``: raw gates set chunk by chunk (helpers.forced_gates)."""
     x = make_inputs(case, device=DEVICE, requires_grad=True, generator=rng)
+    if layout:
+        forced_gates(x, case.chunk_size, layout)
     leaves = {n: x[n] for n in GRAD_INPUTS if isinstance(x.get(n), torch.Tensor)}
     with use_backend(backend):
         o, s = chunk_kda(**x, chunk_size=case.chunk_size, disable_recompute=disable_recompute)
@@ -31,9 +35,9 @@ def backend_grads(backend, case, rng, disable_recompute=False):
     return x, got, do, ds
 
 
-def grads(backend, case, rng, disable_recompute=False):
+def grads(backend, case, rng, disable_recompute=False, layout=None):
     """(backend gradients, float64 reference gradients)."""
-    x, got, do, ds = backend_grads(backend, case, rng, disable_recompute)
+    x, got, do, ds = backend_grads(backend, case, rng, disable_recompute, layout)
     leaves = {n: x[n] for n in got}
     o_r, s_r = reference(x)
     loss_r = (o_r * do.double()).sum() + ((s_r * ds.double()).sum() if ds is not None else 0)
@@ -196,6 +200,38 @@ def test_whole_chunk_backward(axis, rng, monkeypatch):
     check_grads(got, want, x, tol_for(case.dtype, "triton"))
 
 
+WHOLE_ANY_BWD = {  # unbounded gates in training: (case, raw gates chunk by chunk: helpers.forced_gates)
+    "softplus_mixed_bf16": (Case(T=192, gate="softplus", l2norm=True, beta_sigmoid=True, dtype=torch.bfloat16,
+                                 A_log_range=(0.0, 2.0)), ("small", "huge", "front")),
+    "lowerbound_edge_bf16_chunk32": (Case(T=96, gate="lowerbound", lower_bound=-8.0, dtype=torch.bfloat16, chunk_size=32,
+                                          A_log_range=(0.0, 1.0), state_v_first=True), ("edge", "small", "huge")),
+    "softplus_front_f32_k48_v40": (Case(T=130, K=48, V=40, gate="softplus", A_log_range=(2.0, 4.0)), ("front", "small")),
+    "softplus_varlen_gva_bf16": (Case(seqlens=(1, 70, 0, 47), H=2, HV=4, gate="softplus", dtype=torch.bfloat16), None),
+}
+
+
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("axis", list(WHOLE_ANY_BWD))
+def test_whole_chunk_backward_any_gate(axis, rng, monkeypatch):
+    """Unbounded gates in training take the whole-chunk path end to end (bfloat16 by default; float32
+    forced, with its exact products): exact cumulative sums and, chunk by chunk, the middle anchor
+    or the half-segment levels on the diagonal blocks in the forward and in the gate-gradient
+    kernel. Every gradient against autograd through the float64 reference."""
+    from fastkda.backends.triton import bwd_chunk
+
+    base, layout = WHOLE_ANY_BWD[axis]
+    case = grow(base, GPU)
+    if case.dtype != torch.bfloat16:
+        monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", True)
+    launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_chunk_kernel", "kda_bwd_gate_kernel")
+    x, got, want = grads("triton", case, rng, layout=layout)
+    assert launches == ["kda_bwd_gate_chunk_kernel"], launches
+    check_grads(got, want, x, tol_for(case.dtype, "triton"))
+    if case.dtype == torch.float32:  # exact products and exponents: ~2e-7 (float32 differences of the sums: ~5e-6)
+        for name in ("q", "k"):
+            check(f"d{name}", got[name], want[name], 1e-6)
+
+
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("chunk_size", [32, 64])
 def test_whole_chunk_gradients_mirrored(chunk_size, rng, monkeypatch):
@@ -209,7 +245,7 @@ def test_whole_chunk_gradients_mirrored(chunk_size, rng, monkeypatch):
     class Capture:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                seen.append((args[10].clone(), args[11].clone()))  # s_dA, s_dL before the kernel runs
+                seen.append((args[12].clone(), args[13].clone()))  # s_dA, s_dL before the kernel runs
                 return kernel[grid](*args, **kw)
             return launch
 

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 from conftest import BACKENDS, DEVICE, GPU
-from helpers import AXES, OPTION_SPACE, bounded, check, grow, plain_options, random_case, spy_launches, tol_for
+from helpers import (AXES, OPTION_SPACE, bounded, check, forced_gates, grow, plain_options, random_case, spy_launches,
+                     tol_for)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -194,39 +195,6 @@ ANY_GATE = {  # unbounded gates (inference): (case, raw gates chunk by chunk, cy
                                    A_log_range=(0.0, 2.0), initial_state=False), ("small", "huge")),
     "softplus_partial_chunk": (Case(T=100, gate="softplus", A_log_range=(2.0, 4.0)), ("front",)),
 }
-FORMS = {"small": 1, "huge": 0, "front": 0, "edge": 1}
-
-
-def forced_gates(x: dict, C: int, layout) -> set:
-    """Raw gate inputs set chunk by chunk (cyclically): "small" (-30 and below: activated gates near
-    0; the middle anchor), "huge" (30 and above: 8 tokens' gates far past 2^96 in base 2; the
-    levels), "front" (the first 4 tokens huge, the rest as drawn minus 1: cumulative sums of 10^2 to
-    10^4 whose differences are of order one, where float32 differences of the sums lose precision;
-    the levels) or "edge" (with a lower bound of -8: the first 8 tokens at the bound, the rest near 0,
-    a middle-anchor exponent of 11.5 * 8 = 92 <= 96 in base 2 and differences of order one next to
-    sums near 92; the middle anchor). Returns the forms of the chunks of at least 16 tokens (1:
-    middle anchor, 0: levels)."""
-    g, T = x["g"], x["g"].shape[1]
-    forms = set()
-    with torch.no_grad():
-        for c in range(-(-T // C)):
-            t0, kind = c * C, layout[c % len(layout)]
-            rows = slice(t0, t0 + C)
-            if kind == "huge":
-                g[:, rows] = 30.0 + g[:, rows].abs()
-            elif kind == "small":
-                g[:, rows] = -30.0 - g[:, rows].abs()
-            elif kind == "front":
-                g[:, t0 + 4:t0 + C] -= 1.0
-                g[:, t0:t0 + 4] = 30.0 + g[:, t0:t0 + 4].abs()
-            else:  # edge
-                g[:, t0 + 8:t0 + C] = -30.0 - g[:, t0 + 8:t0 + C].abs()
-                g[:, t0:t0 + 8] = 30.0 + g[:, t0:t0 + 8].abs()
-            if T - t0 >= 16:
-                forms.add(FORMS[kind])
-    return forms
-
-
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("axis", list(ANY_GATE))
 def test_whole_chunk_any_gate(axis, rng, monkeypatch):

@@ -31,11 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ...options import GateMode
 from ...testing import new_empty
 from .common import (block_lower, cdiv, chunk_program, dot_config, exclusive_cumsum, gate_backward, gate_launch,
                      launch_options, out_alloc, pow2, row_of)
 from .scan import _state_ptrs
-from .prepare import SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _put, _tile, _x, level_pairs, split_level
+from . import prepare
+from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _put, _tile, _x, level_pairs,
+                      split_level)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
 # "v", "k", "gate_chunk" and the two slices below: B1 T8192 H64 safe gate, one training step on the
@@ -56,8 +59,9 @@ V_STATE_SLICE = 32  # key columns per state-product program of kda_bwd_v_kernel 
 EXACT_PAIRS = None
 # Bounded gates (safe_gate) with bfloat16 inputs take the whole-chunk path end to end: stage 1
 # (also in the training forward, whose output the backward reads) and kda_bwd_gate_chunk_kernel,
-# which sums every pair of a chunk from row and column sums. True/False force it on or off for
-# bounded gates of any dtype; None: bfloat16 only (EXACT_PAIRS=True keeps the block path).
+# which sums every pair of a chunk from row and column sums; so do gates activated in the kernel
+# (softplus, a lower-bound gate without safe_gate) with prepare.WHOLE_ANY. True/False force it on or
+# off for those gates of any dtype; None: bfloat16 only (EXACT_PAIRS=True keeps the block path).
 WHOLE_BACKWARD = None
 # Products of that kernel per input dtype. In tf32 the row and the column form of a pair term round
 # apart and their cancellation in dg leaves tf32's residue, inside bfloat16's budget: at extreme
@@ -69,8 +73,9 @@ PAIR_PREC = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ie
 
 
 def whole_backward(opts, dtype: torch.dtype) -> bool:
-    """Whether the backward of these options takes the whole-chunk path (see WHOLE_BACKWARD)."""
-    if not opts.safe_gate:
+    """Whether the backward of these options takes the whole-chunk path (see WHOLE_BACKWARD): bounded
+    gates, or with prepare.WHOLE_ANY any gate the kernels activate."""
+    if not opts.safe_gate and (not prepare.WHOLE_ANY or opts.gate == GateMode.PREGATED):
         return False
     if WHOLE_BACKWARD is not None:
         return WHOLE_BACKWARD
@@ -248,15 +253,16 @@ def _dg_out(g, A_log, dt_bias, dg, b_dgr, lower_bound, bos, t0, T_seq, i_hv, HV:
 
 
 @triton.jit
-def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV: tl.constexpr,
-                K: tl.constexpr, o_c, o_d, S: tl.constexpr, PREC: tl.constexpr):
+def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv,
+                HV: tl.constexpr, K: tl.constexpr, o_c, o_d, S: tl.constexpr, HALF: tl.constexpr, ANY: tl.constexpr,
+                PREC: tl.constexpr):
     """Add level S of the pair terms i > j (anchored as in the forward, prepare._anchored) to dq (rows
     of dAqk), dk through the rows of dAkk (dkr) and dk through the columns of both (dkc). The [C, C]
     gradients are loaded per level, the level's entries only: as they are from the lower triangle,
     transposed from the upper one (kda_bwd_v_kernel MIRROR, kda_bwd_k_kernel WHOLE; docs/math.md
     section 5). The diagonal of dAqk is left to the caller."""
-    m, b_r, b_c = _anchored(b_G, 0.0, gc, gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, 1, S, False, False)
-    m_t = level_pairs(o_c[None, :], o_c[:, None], 1, S, False)  # the level's transposed entries: upper triangle
+    m, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, 1, S, HALF, ANY)
+    m_t = level_pairs(o_c[None, :], o_c[:, None], 1, S, HALF)  # the level's transposed entries: upper triangle
     b_kc = b_k * b_c
     b_dq += b_r * _mm(tl.load(s_dA + o_cc, mask=m, other=0.0), b_kc, PREC)
     b_col = _mm(tl.load(s_dA + o_cc, mask=m_t, other=0.0), b_q * b_r, PREC)
@@ -267,16 +273,19 @@ def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0
 
 @triton.jit(do_not_specialize=["T"])
 def kda_bwd_gate_chunk_kernel(
-    q, k, g, A_log, dt_bias, gc, rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
+    q, k, g, A_log, dt_bias, gc, gd, gok, rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
     dg, dA_part, dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, NSK: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    ANY: tl.constexpr,
 ):
     """Phase C for bounded gates after the whole-chunk stage 1 (gc from the chunk start), one
     feature slice of a chunk: the pair terms of dAqk and dAkk as [C, C] x [C, BS] products level by
     level, and dg as a reverse cumulative sum of dG over the chunk, its pair terms as row sums minus
     column sums (docs/math.md section 5), the products in PREC (PAIR_PREC of the input dtype). dq
-    and dk of this value head (before l2norm) replace dqg and dkd."""
+    and dk of this value head (before l2norm) replace dqg and dkd. With ANY (unbounded gates, as the
+    forward's prepare.kda_fwd_intra_chunk_kernel): exact sums gc + gd, and the diagonal blocks of a
+    chunk with gok = 0 as four half-segment levels."""
     i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
@@ -288,18 +297,27 @@ def kda_bwd_gate_chunk_kernel(
     # dAqk (times scale, diagonal and below) and dAkk (strictly below), each transposed above its diagonal
     o_cc = i_p * C * C + o_c[:, None] * C + o_c[None, :]
     b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)  # [C, BS]
+    b_L = _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)  # its rounding errors (ANY; else 0)
     b_q = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + o_c)[:, None]
     b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + C + o_c)[:, None]
     b_dq = tl.zeros([C, BS], tl.float32)
     b_dkr = tl.zeros([C, BS], tl.float32)
     b_dkc = tl.zeros([C, BS], tl.float32)
+    mid = True
+    if ANY:
+        mid = tl.load(gok + i_p) != 0
     if C == 64:
-        b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV,
-                                         K, o_c, o_d, 64, PREC)
-    b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K,
-                                     o_c, o_d, 32, PREC)
-    b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, gc, bos, t0, T_seq, i_hv, HV, K,
-                                     o_c, o_d, 16, PREC)
+        b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, b_L, gc, gd, bos, t0, T_seq,
+                                         i_hv, HV, K, o_c, o_d, 64, True, ANY, PREC)
+    b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, b_L, gc, gd, bos, t0, T_seq,
+                                     i_hv, HV, K, o_c, o_d, 32, True, ANY, PREC)
+    if mid:
+        b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, b_L, gc, gd, bos, t0,
+                                         T_seq, i_hv, HV, K, o_c, o_d, 16, False, ANY, PREC)
+    else:  # every exponent <= 0: any gate
+        for lvl in tl.static_range(4):
+            b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, b_L, gc, gd, bos, t0,
+                                             T_seq, i_hv, HV, K, o_c, o_d, 16 >> lvl, True, ANY, PREC)
     # the diagonal of Aqk (factor e^0 = 1) reaches dq and dk only: in dG its two terms cancel exactly
     b_dAii = tl.load(s_dA + i_p * C * C + o_c * (C + 1))  # [C]
     b_dii_q = b_dAii[:, None] * b_k
@@ -308,7 +326,10 @@ def kda_bwd_gate_chunk_kernel(
     b_last = _c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)  # G at the chunk end   [BS]
     b_eG = tl.exp2(b_G)
     b_dqg = _tile(s_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * (scale * b_eG)
-    b_dkd = _tile(s_dkd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * tl.exp2(b_last[None, :] - b_G)
+    b_dlast = b_last[None, :] - b_G  # G_last - G
+    if ANY:
+        b_dlast += _c_last(gd, bos, t0, T_seq, i_hv, HV, K, C, o_d).to(tl.float32)[None, :] - b_L
+    b_dkd = _tile(s_dkd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * tl.exp2(b_dlast)
     b_dkg = _tile(s_dw, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * b_eG
     _put(s_dqg, b_dq + b_dii_q + b_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
     _put(s_dkd, b_dkr + b_dkc + b_dii_k + b_dkd + b_dkg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
@@ -559,8 +580,8 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
             NSC = cdiv(K, BSC)
             dA_part = alloc(NT, HV, NSC, **f32) if x.A_log is not None else None
             kda_bwd_gate_chunk_kernel[(NT * NSC, HV)](
-                x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
-                dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=BSC, NSK=NSC, **gate,
+                x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.gd, p.gok, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
+                dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=BSC, NSK=NSC, ANY=p.gd is not None, **gate,
                 **{**where, "PREC": PAIR_PREC[x.q.dtype]}, **launch_options(LAUNCH, "gate_chunk", BK, BV))
         else:
             dA_part = alloc(NT, HV, NSK, **f32) if x.A_log is not None else None

@@ -622,12 +622,12 @@ def chunk_tables_of(opts, cu_seqlens, cu_host) -> tuple[torch.Tensor | None, tor
 
 
 def whole_forward(opts, train: bool, whole_bwd: bool) -> bool:
-    """Whether stage 1 takes the whole-chunk path: bounded gates (``safe_gate``) in inference, or in
-    training when the backward takes it too (``whole_bwd``: bwd_chunk.whole_backward); with
-    WHOLE_ANY, any gate the kernels activate (non-positive by construction) in inference."""
-    if opts.safe_gate:
-        return not train or whole_bwd
-    return WHOLE_ANY and not train and opts.gate != GateMode.PREGATED
+    """Whether stage 1 takes the whole-chunk path: for bounded gates (``safe_gate``) or, with
+    WHOLE_ANY, any gate the kernels activate (non-positive by construction), in inference, and in
+    training when the backward takes it too (``whole_bwd``: bwd_chunk.whole_backward)."""
+    if not opts.safe_gate and (not WHOLE_ANY or opts.gate == GateMode.PREGATED):
+        return False
+    return not train or whole_bwd
 
 
 def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=False) -> Prepared:
