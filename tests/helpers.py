@@ -112,8 +112,9 @@ FORMS = {"small": 1, "huge": 0, "front": 0, "edge": 1}
 
 def forced_gates(x: dict, C: int, layout) -> set:
     """Raw gate inputs set chunk by chunk (cyclically): "small" (-30 and below: activated gates near
-    0; the middle anchor), "huge" (30 and above: 8 tokens' gates far past 2^96 in base 2; the
-    levels), "front" (the first 4 tokens huge, the rest as drawn minus 1: cumulative sums of 10^2 to
+    0; the middle anchor), "huge" (30 and above; the levels: softplus gates of 30 exp(A_log) nats,
+    8 tokens far past 2^96 in base 2 for A_log >= 0; lower-bound gates at their bound, past 2^96
+    for bounds below -8.3 only), "front" (the first 4 tokens huge, the rest as drawn minus 1: cumulative sums of 10^2 to
     10^4 whose differences are of order one, where float32 differences of the sums lose precision;
     the levels) or "edge" (with a lower bound of -8: the first 8 tokens at the bound, the rest near 0,
     a middle-anchor exponent of 11.5 * 8 = 92 <= 96 in base 2 and differences of order one next to

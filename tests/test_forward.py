@@ -195,6 +195,8 @@ ANY_GATE = {  # unbounded gates (inference): (case, raw gates chunk by chunk, cy
                                    A_log_range=(0.0, 2.0), initial_state=False), ("small", "huge")),
     "softplus_partial_chunk": (Case(T=100, gate="softplus", A_log_range=(2.0, 4.0)), ("front",)),
 }
+
+
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("axis", list(ANY_GATE))
 def test_whole_chunk_any_gate(axis, rng, monkeypatch):
@@ -234,17 +236,20 @@ def test_whole_chunk_any_gate(axis, rng, monkeypatch):
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 def test_whole_chunk_path_needs_activated_gates():
     """Stage 1's whole-chunk path refuses pre-activated gates (nothing bounds their sign) with a
-    ValueError, before anything is launched; the training forward of unbounded gates keeps the
-    block path, which the backward reads."""
-    from fastkda.backends.triton import prepare
+    ValueError, before anything is launched; gates activated in the kernel take it in inference,
+    and in training where the backward takes it too (bwd_chunk.whole_backward: bfloat16)."""
+    from fastkda.backends.triton import bwd_chunk, prepare
 
     x = make_inputs(Case(T=20))
     opts, inp = plain_options(x)
     with pytest.raises(ValueError, match="gates activated in the kernel"):
         prepare.fwd_prepare(opts, inp.q, inp.k, inp.v, inp.g, inp.beta, None, None, None, None, whole=True)
     assert not prepare.whole_forward(opts, False, False)
+    assert not prepare.whole_forward(opts, True, True)
     opts = dataclasses.replace(opts, gate=GateMode.SOFTPLUS)
     assert prepare.whole_forward(opts, False, False) and not prepare.whole_forward(opts, True, False)
+    assert prepare.whole_forward(opts, True, bwd_chunk.whole_backward(opts, torch.bfloat16))
+    assert not bwd_chunk.whole_backward(opts, torch.float32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -279,7 +279,7 @@ def kda_bwd_gate_chunk_kernel(
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
     ANY: tl.constexpr,
 ):
-    """Phase C for bounded gates after the whole-chunk stage 1 (gc from the chunk start), one
+    """Phase C after the whole-chunk stage 1 (gc from the chunk start), one
     feature slice of a chunk: the pair terms of dAqk and dAkk as [C, C] x [C, BS] products level by
     level, and dg as a reverse cumulative sum of dG over the chunk, its pair terms as row sums minus
     column sums (docs/math.md section 5), the products in PREC (PAIR_PREC of the input dtype). dq

@@ -52,9 +52,9 @@ def poison(bad: torch.Tensor | None, *outs):
 def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: bool = False, train: bool = False,
                    intra: Prepared | None = None):
     """Stage 1 and the scan on contiguous inputs: (stage-1 output, o, final_state, h, v'); see
-    ``fwd_scan`` for ``outputs`` and ``keep``. Bounded gates take the whole-chunk path of stage 1,
-    unless the backward reads it (``train``) and needs the block path's scratches
-    (``bwd_chunk.whole_backward``). ``intra``: the output of ``fwd_intra`` kept from the forward,
+    ``fwd_scan`` for ``outputs`` and ``keep``. Bounded gates and gates activated in the kernel take
+    the whole-chunk path of stage 1 (``prepare.whole_forward``), unless the backward reads it
+    (``train``) and needs the block path's scratches (``bwd_chunk.whole_backward``). ``intra``: the output of ``fwd_intra`` kept from the forward,
     from which only ``fwd_wu`` and the scan run."""
     if intra is None:
         whole = whole_forward(opts, train, whole_backward(opts, x.q.dtype))

@@ -3,8 +3,8 @@
 Four launches, each over every (chunk, value head) and, where the work splits further, over the
 chunk's 16-token blocks, its two matrices or its feature slices. Two paths:
 
-The block path (any gate; what the backward reads, except for bfloat16 inputs with bounded
-gates):
+The block path (any gate; what the backward reads, except for bfloat16 inputs with gates the
+kernel activates or bounds):
 
     gates    (chunk, block, head)   gate activation, its block-local cumulative sums (``gc``),
                                     the activated gates (``ga``) and the row norms of q and k (``rs``)
@@ -14,10 +14,10 @@ gates):
     wu       (chunk, slice, head)   one feature slice of w or u; the w slices also write q e^G and
                                     k e^(G_last - G)
 
-The whole-chunk path (bounded gates, ``safe_gate``: inference, and training with bfloat16
-inputs, ``bwd_chunk.whole_backward``; gates activated in the kernel, unbounded, in inference:
-``whole_forward``, with the cumulative sums kept exactly and a per-chunk form of the diagonal
-blocks, docs/math.md section 3):
+The whole-chunk path (bounded gates, ``safe_gate``, and gates activated in the kernel, unbounded,
+with the cumulative sums kept exactly and a per-chunk form of the diagonal blocks: inference, and
+training with bfloat16 inputs; ``whole_forward``, ``bwd_chunk.whole_backward``, docs/math.md
+section 3):
 
     gates    (chunk, head)          gate activation, cumulative sums from the chunk start (``gc``;
                                     unbounded gates: their rounding errors ``gd`` and the form of
@@ -68,7 +68,7 @@ from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tabl
 # "inverse" at 1 warp and "intra" capped at 128 registers: B1 T8192 H64 on the H200, one training
 # step (0.21 -> 0.18 ms per call; softplus intra 2.83 -> 2.57 ms per call; 2.29 ms since the
 # diagonal blocks' levels, against 4.13 ms at 4 warps without the cap)
-WHOLE_ANY = True  # unbounded gates take the whole-chunk path in inference (whole_forward)
+WHOLE_ANY = True  # gates activated in the kernel, unbounded, take the whole-chunk path (whole_forward)
 LAUNCH = {"gates": (4, None), "intra": (2, 128), "chunk": (4, None), "inverse": (1, None), "wu": (8, None)}
 SLICE = 32  # feature columns per tile
 # unbounded gates on the whole-chunk path: the middle anchor of a chunk's diagonal 16-token blocks
