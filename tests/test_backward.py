@@ -197,7 +197,7 @@ def test_whole_chunk_backward(axis, rng, monkeypatch):
     launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_chunk_kernel", "kda_bwd_gate_kernel")
     x, got, want = grads("triton", case, rng)
     if any(t > 0 for t in (case.seqlens or (case.T,))):
-        assert launches == ["kda_bwd_gate_chunk_kernel"], launches
+        assert launches == ["kda_bwd_gate_chunk_kernel"] * (2 if split and case.dtype != torch.float32 else 1), launches
     check_grads(got, want, x, tol_for(case.dtype, "triton"))
 
 
@@ -216,14 +216,17 @@ WHOLE_ANY_BWD = {  # unbounded gates in training: (case, raw gates chunk by chun
 
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("split", [False, True], ids=["one_launch", "split"])
 @pytest.mark.parametrize("axis", list(WHOLE_ANY_BWD))
-def test_whole_chunk_backward_any_gate(axis, rng, monkeypatch):
+def test_whole_chunk_backward_any_gate(axis, split, rng, monkeypatch):
     """Unbounded gates in training take the whole-chunk path end to end (bfloat16 by default; float32
     forced, with its exact products): exact cumulative sums and, chunk by chunk, the middle anchor
     or the half-segment levels on the diagonal blocks in the forward and in the gate-gradient
-    kernel. Every gradient against autograd through the float64 reference."""
+    kernel. Every gradient against autograd through the float64 reference. ``split``:
+    prepare.ANY_SPLIT (16-bit inputs: the plain chunks in launches of their own)."""
     from fastkda.backends.triton import bwd_chunk, function, prepare
 
+    monkeypatch.setattr(prepare, "ANY_SPLIT", split)
     base, layout = WHOLE_ANY_BWD[axis]
     case = grow(base, GPU)
     if case.dtype != torch.bfloat16:
@@ -232,10 +235,10 @@ def test_whole_chunk_backward_any_gate(axis, rng, monkeypatch):
     kept, fwd_intra = [], prepare.fwd_intra
     monkeypatch.setattr(function, "fwd_intra", lambda *a, **kw: kept.append(fwd_intra(*a, **kw)) or kept[-1])
     x, got, want = grads("triton", case, rng, layout=layout)
-    assert launches == ["kda_bwd_gate_chunk_kernel"], launches
+    assert launches == ["kda_bwd_gate_chunk_kernel"] * (2 if split and case.dtype != torch.float32 else 1), launches
     if layout:  # both diagonal forms where the layout asks for them (1: middle anchor, 0: levels)
         forms = {FORMS[kind] for kind in layout}
-        assert forms <= set(kept[0].gok.flatten().tolist()), (forms, kept[0].gok)
+        assert forms <= {v & 1 for v in kept[0].gok.flatten().tolist()}, (forms, kept[0].gok)
     check_grads(got, want, x, tol_for(case.dtype, "triton"))
     if case.dtype == torch.float32:  # exact products and exponents: ~2e-7 (float32 differences of the sums: ~5e-6)
         for name in ("q", "k"):

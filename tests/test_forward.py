@@ -198,15 +198,19 @@ ANY_GATE = {  # unbounded gates (inference): (case, raw gates chunk by chunk, cy
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("split", [False, True], ids=["one_launch", "split"])
 @pytest.mark.parametrize("axis", list(ANY_GATE))
-def test_whole_chunk_any_gate(axis, rng, monkeypatch):
+def test_whole_chunk_any_gate(axis, split, rng, monkeypatch):
     """Unbounded gates in inference take the whole-chunk path too: cumulative sums kept exactly
     (float32 plus their rounding errors) and, chunk by chunk, the middle anchor or the half-segment
     levels on the diagonal blocks (docs/math.md section 3). Against the reference (float32 inputs:
     at float32's precision, which differences of plain float32 sums miss at these gates), and the
-    block path (prepare.WHOLE_ANY off) on the same inputs."""
+    block path (prepare.WHOLE_ANY off) on the same inputs. ``split``: prepare.ANY_SPLIT (16-bit
+    inputs: the plain chunks in a launch of their own)."""
     from fastkda.backends.triton import function, prepare
 
+    monkeypatch.setattr(prepare, "ANY_SPLIT", split)
+    launches = spy_launches(monkeypatch, prepare, "kda_fwd_intra_chunk_kernel")
     base, layout = ANY_GATE[axis]
     case = grow(base, GPU)
     x = make_inputs(case, device=DEVICE, generator=rng)
@@ -218,7 +222,8 @@ def test_whole_chunk_any_gate(axis, rng, monkeypatch):
         o, s = chunk_kda(**x, chunk_size=case.chunk_size)
         p = kept[-1]
         assert p.ga is None and p.gd is not None, "the whole-chunk path for unbounded gates did not run"
-        seen = set(p.gok.flatten().tolist())
+        assert len(launches) == (2 if split and case.dtype != torch.float32 else 1), launches
+        seen = {v & 1 for v in p.gok.flatten().tolist()}
         assert forms <= seen, f"diagonal forms {seen}, expected {forms} among them (1: middle anchor, 0: levels)"
         monkeypatch.setattr(prepare, "WHOLE_ANY", False)
         o_b, s_b = chunk_kda(**x, chunk_size=case.chunk_size)

@@ -37,8 +37,8 @@ from .common import (block_lower, cdiv, chunk_program, dot_config, exclusive_cum
                      launch_options, out_alloc, pow2, row_of)
 from .scan import _state_ptrs
 from . import prepare
-from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _put, _tile, _x, level_pairs,
-                      split_level)
+from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _put, _tile, _x, level_pairs, skip_chunk,
+                      split_launches, split_level)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
 # "v", "k", "gate_chunk" and the two slices below: B1 T8192 H64 safe gate, one training step on the
@@ -277,7 +277,7 @@ def kda_bwd_gate_chunk_kernel(
     dg, dA_part, dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, NSK: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    ANY: tl.constexpr,
+    ANY: tl.constexpr, SEL: tl.constexpr,
 ):
     """Phase C after the whole-chunk stage 1 (gc from the chunk start), one
     feature slice of a chunk: the pair terms of dAqk and dAkk as [C, C] x [C, BS] products level by
@@ -285,7 +285,7 @@ def kda_bwd_gate_chunk_kernel(
     column sums (docs/math.md section 5), the products in PREC (PAIR_PREC of the input dtype). dq
     and dk of this value head (before l2norm) replace dqg and dkd. With ANY (unbounded gates, as the
     forward's prepare.kda_fwd_intra_chunk_kernel): exact sums gc + gd, and the diagonal blocks of a
-    chunk with gok = 0 as four half-segment levels."""
+    chunk with gok = 0 as four half-segment levels; SEL as prepare.kda_fwd_intra_chunk_kernel's."""
     i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
@@ -303,9 +303,11 @@ def kda_bwd_gate_chunk_kernel(
     b_dq = tl.zeros([C, BS], tl.float32)
     b_dkr = tl.zeros([C, BS], tl.float32)
     b_dkc = tl.zeros([C, BS], tl.float32)
+    if skip_chunk(gok, i_p, SEL):
+        return
     mid = True
     if ANY:
-        mid = tl.load(gok + i_p) != 0
+        mid = (tl.load(gok + i_p) & 1) != 0
     if C == 64:
         b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, b_L, gc, gd, bos, t0, T_seq,
                                          i_hv, HV, K, o_c, o_d, 64, True, ANY, PREC)
@@ -579,10 +581,12 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
             BSC = min(GATE_CHUNK_SLICE, BK)
             NSC = cdiv(K, BSC)
             dA_part = alloc(NT, HV, NSC, **f32) if x.A_log is not None else None
-            kda_bwd_gate_chunk_kernel[(NT * NSC, HV)](
-                x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.gd, p.gok, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
-                dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=BSC, NSK=NSC, ANY=p.gd is not None, **gate,
-                **{**where, "PREC": PAIR_PREC[x.q.dtype]}, **launch_options(LAUNCH, "gate_chunk", BK, BV))
+            for any_sel, sel in split_launches(p.gd is not None, x.q.dtype):
+                kda_bwd_gate_chunk_kernel[(NT * NSC, HV)](
+                    x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.gd, p.gok, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL,
+                    s_dgam, dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=BSC, NSK=NSC, ANY=any_sel,
+                    SEL=sel, **gate, **{**where, "PREC": PAIR_PREC[x.q.dtype]},
+                    **launch_options(LAUNCH, "gate_chunk", BK, BV))
         else:
             dA_part = alloc(NT, HV, NSK, **f32) if x.A_log is not None else None
             exact = EXACT_PAIRS if EXACT_PAIRS is not None else x.q.dtype == torch.float32

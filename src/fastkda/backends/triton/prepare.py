@@ -75,6 +75,13 @@ SLICE = 32  # feature columns per tile
 # while every factor it makes stays below 2^DIAG_SPAN (float32 overflows at 2^128; the operands
 # times the factors keep a margin of 2^32); otherwise the half-segment levels (any gate)
 DIAG_SPAN = tl.constexpr(96.0)
+# and below this |G| (base 2) in a chunk a float32 difference of two sums is off by 6e-5 at most, as
+# with bounded gates (|G| <= 462): such a chunk with the middle anchor (gok == 1) needs neither the
+# rounding errors nor the levels. With ANY_SPLIT (16-bit inputs) the whole-chunk intra and
+# gate-gradient kernels launch twice, once for those chunks compiled as for bounded gates (fewer
+# registers) and once for the others; off: one launch for every chunk
+LO_SPAN = tl.constexpr(512.0)
+ANY_SPLIT = False
 CHUNK_SLICE = 64  # feature columns per step of the whole-chunk intra kernel
 WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_launch.py --set)
 
@@ -335,11 +342,23 @@ def _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constex
     return b_A + tl.where(m, tl.dot(b_x * b_r, tl.trans(b_k * b_c), input_precision=PREC), 0.0)
 
 
+@triton.jit
+def skip_chunk(gok, i_p, SEL: tl.constexpr):
+    """Whether this launch of a split pair (ANY_SPLIT) leaves chunk slot i_p to the other: SEL 1
+    takes the chunks with gok == 1 (middle anchor, small sums), SEL 2 the others, SEL 0 every chunk."""
+    if SEL == 0:
+        return False
+    f = tl.load(gok + i_p)
+    if SEL == 1:
+        return f != 1
+    return f == 1
+
+
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_intra_chunk_kernel(
     q, k, gc, gd, gok, rs, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, ANY: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, ANY: tl.constexpr, SEL: tl.constexpr,
 ):
     """Two programs per chunk: Aqk (times scale; part 0) or Akk (to the scratch ls; part 1) of the
     whole chunk as [C, C] products level by level, from the cumulative gates of the whole chunk
@@ -347,17 +366,20 @@ def kda_fwd_intra_chunk_kernel(
     |G| <= 462, so the difference of two such sums carries an error of about 1e-4 at most. With ANY
     (unbounded gates) the sums are exact (gc + gd), and the diagonal blocks of a chunk where the
     middle anchor would make a factor above 2^DIAG_SPAN (gok = 0) take four levels of half-segment
-    pairs (16, 8, 4, 2 tokens) and the diagonal instead. (One program for both
-    matrices held 255 registers, 2 blocks per SM.)"""
+    pairs (16, 8, 4, 2 tokens) and the diagonal instead. SEL (ANY_SPLIT): 1, only the chunks with
+    gok == 1; 2, only the others; 0, every chunk. (One program for both matrices held 255
+    registers, 2 blocks per SM.)"""
     i_m, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 2)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, C)
     rs += i_p * 2 * C
+    if skip_chunk(gok, i_p, SEL):
+        return
     mid = True
     if ANY:
-        mid = tl.load(gok + i_p) != 0  # the middle anchor keeps this chunk's factors finite
+        mid = (tl.load(gok + i_p) & 1) != 0  # the middle anchor keeps this chunk's factors finite
     b_A = tl.zeros([C, C], tl.float32)
     for s in range(0, BK, BS):
         o_d = s + tl.arange(0, BS)
@@ -427,8 +449,8 @@ def kda_fwd_gates_kernel(
     of its rows (rs). With WHOLE, the whole chunk in one program: gc holds the cumulative sums from
     the chunk start (no ga) and the chunk decay gl is stored too. With ANY (WHOLE for unbounded
     gates) the sums are taken in float64 and kept as float32 (gc) plus their rounding error (gd,
-    float16), and gok says whether the middle anchor of the chunk's 16-token blocks keeps every
-    exponent within DIAG_SPAN (base 2)."""
+    float16), and gok says (bit 0) whether the middle anchor of the chunk's 16-token blocks keeps
+    every exponent within DIAG_SPAN (base 2) and (bit 1) whether its sums reach beyond LO_SPAN."""
     NSUB: tl.constexpr = 1 if WHOLE else C // 16
     b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSUB)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
@@ -438,6 +460,7 @@ def kda_fwd_gates_kernel(
     if WHOLE:
         o_c = tl.arange(0, C)
         b_span = tl.full([], 0.0, tl.float32)  # the largest middle-anchor exponent (ANY)
+        b_low = tl.full([], 0.0, tl.float32)  # the lowest cumulative gate (ANY)
         for s in range(0, BK, BS):
             o_d = s + tl.arange(0, BS)
             b_g = _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A,
@@ -452,12 +475,14 @@ def kda_fwd_gates_kernel(
                 b_mid = tl.max(tl.where((tl.arange(0, 16) >= 8)[None, :, None], b_blk, float("-inf")), 1)
                 b_half = tl.maximum(tl.max(b_blk, 1) - b_mid, b_mid - tl.min(b_blk, 1))
                 b_span = tl.maximum(b_span, tl.max(b_half))
+                b_low = tl.minimum(b_low, tl.min(b_G))
             else:
                 b_G = tl.cumsum(b_g, 0)
             _put(gc, b_G, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
             tl.store(gl + i_p * K + o_d, tl.exp2(tl.sum(b_g, 0)), mask=o_d < K)
         if ANY:
-            tl.store(gok + i_p, (b_span <= DIAG_SPAN).to(tl.int32))
+            # bit 0: the middle anchor; bit 1: sums beyond LO_SPAN, whose rounding errors count
+            tl.store(gok + i_p, (b_span <= DIAG_SPAN).to(tl.int32) + 2 * (b_low < -LO_SPAN).to(tl.int32))
         tl.store(rs + o_c, _rstd(q, bos, t0, T_seq, i_h, H, K, o_c, BK, BS, L2NORM))
         tl.store(rs + C + o_c, _rstd(k, bos, t0, T_seq, i_h, H, K, o_c, BK, BS, L2NORM))
     else:
@@ -621,6 +646,15 @@ def chunk_tables_of(opts, cu_seqlens, cu_host) -> tuple[torch.Tensor | None, tor
     return None, None, opts.shape.B * cdiv(opts.shape.T, opts.chunk_size)
 
 
+def split_launches(any_gate: bool, dtype: torch.dtype) -> tuple:
+    """(ANY, SEL) of each launch of a whole-chunk intra or gate-gradient kernel: one launch, or with
+    ANY_SPLIT for unbounded gates and 16-bit inputs a pair (float32 inputs keep the exact sums
+    everywhere, their budget being below the 6e-5 of LO_SPAN)."""
+    if any_gate and ANY_SPLIT and dtype != torch.float32:
+        return ((False, 1), (True, 2))
+    return ((any_gate, 0),)
+
+
 def whole_forward(opts, train: bool, whole_bwd: bool) -> bool:
     """Whether stage 1 takes the whole-chunk path: for bounded gates (``safe_gate``) or, with
     WHOLE_ANY, any gate the kernels activate (non-positive by construction), in inference, and in
@@ -677,9 +711,10 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
             q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, H=H, K=K, BK=BK, BS=BS, L2NORM=opts.qk_l2norm,
             WHOLE=whole, ANY=any_gate, **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
         if whole:
-            kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
-                q, k, gc, gd, gok, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=min(CHUNK_SLICE, BK), PREC=PREC,
-                ANY=any_gate, **where, **launch_options(LAUNCH, "chunk", BK, BK))
+            for any_sel, sel in split_launches(any_gate, dt):
+                kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
+                    q, k, gc, gd, gok, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=min(CHUNK_SLICE, BK),
+                    PREC=PREC, ANY=any_sel, SEL=sel, **where, **launch_options(LAUNCH, "chunk", BK, BK))
         else:
             kda_fwd_intra_kernel[(NT_total * NC, HV)](
                 q, k, gc, ga, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate, PREC=PREC,
