@@ -81,7 +81,8 @@ DIAG_SPAN = tl.constexpr(96.0)
 # gate-gradient kernels launch twice, once for those chunks compiled as for bounded gates (fewer
 # registers) and once for the others; off: one launch for every chunk
 LO_SPAN = tl.constexpr(512.0)
-ANY_SPLIT = False
+ANY_SPLIT = True
+SUM64 = True  # unbounded gates' sums in float64 (else split at a grid in float32: _split_cumsum)
 CHUNK_SLICE = 64  # feature columns per step of the whole-chunk intra kernel
 WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_launch.py --set)
 
@@ -346,12 +347,14 @@ def _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constex
 def skip_chunk(gok, i_p, SEL: tl.constexpr):
     """Whether this launch of a split pair (ANY_SPLIT) leaves chunk slot i_p to the other: SEL 1
     takes the chunks with gok == 1 (middle anchor, small sums), SEL 2 the others, SEL 0 every chunk."""
-    if SEL == 0:
-        return False
-    f = tl.load(gok + i_p)
-    if SEL == 1:
-        return f != 1
-    return f == 1
+    skip = False
+    if SEL != 0:  # one return: the compiler visits code after a constexpr-if's return (gok is None at SEL 0)
+        f = tl.load(gok + i_p)
+        if SEL == 1:
+            skip = f != 1
+        else:
+            skip = f == 1
+    return skip
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -438,12 +441,30 @@ def _mm(a, b):
     return tl.dot(a, b, input_precision="ieee")
 
 
+@triton.jit
+def _split_cumsum(b_g):
+    """Cumulative sums down axis 0 of b_g [C, BS] (float32) as float32 sums and their rounding
+    errors, without float64: every value is cut at a grid u (a power of two per column, 2^21 u at
+    least the column's sum of magnitudes) into a multiple of u, whose sums are then exact, and a
+    remainder below u/2, summed apart; the two sums meet in an error-free addition (TwoSum)."""
+    b_s = tl.sum(tl.abs(b_g), 0)  # [BS] a bound on every partial sum
+    i_e = (b_s.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent: floor(log2 s) + 127
+    i_u = tl.minimum(tl.maximum(i_e + 1 - 21, 1), 230)  # u = 2^(floor(log2 s) + 1 - 21), a normal number
+    b_m = ((i_u + 23) << 23).to(tl.float32, bitcast=True) * 1.5  # 1.5 * 2^23 * u: its ulp is u
+    b_hi = (b_g + b_m[None, :]) - b_m[None, :]  # b_g rounded to a multiple of u (|b_g| < 2^22 u)
+    b_H = tl.cumsum(b_hi, 0)  # exact: multiples of u below 2^21 u in magnitude
+    b_L = tl.cumsum(b_g - b_hi, 0)  # the remainders (exact differences), |b_L| <= 32 u
+    b_G = b_H + b_L
+    b_z = b_G - b_H
+    return b_G, (b_H - (b_G - b_z)) + (b_L - b_z)
+
+
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_gates_kernel(
     q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, cu_seqlens, chunk_indices, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    WHOLE: tl.constexpr, ANY: tl.constexpr,
+    WHOLE: tl.constexpr, ANY: tl.constexpr, SUM64: tl.constexpr,
 ):
     """Block b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
     of its rows (rs). With WHOLE, the whole chunk in one program: gc holds the cumulative sums from
@@ -466,9 +487,13 @@ def kda_fwd_gates_kernel(
             b_g = _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A,
                              HAS_BIAS)
             if ANY:
-                b_G64 = tl.cumsum(b_g.to(tl.float64), 0)
-                b_G = b_G64.to(tl.float32)
-                _put(gd, (b_G64 - b_G.to(tl.float64)).to(tl.float32), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+                if SUM64:
+                    b_G64 = tl.cumsum(b_g.to(tl.float64), 0)
+                    b_G = b_G64.to(tl.float32)
+                    b_E = (b_G64 - b_G.to(tl.float64)).to(tl.float32)
+                else:
+                    b_G, b_E = _split_cumsum(b_g)
+                _put(gd, b_E, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
                 # the middle anchor's largest exponents: G_0 - G_8 (rows) and G_8 - G_15 (columns) of
                 # every block (G is non-increasing: G_8 is the largest of rows 8..15)
                 b_blk = tl.reshape(b_G, [C // 16, 16, BS])
@@ -709,7 +734,7 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
         # slice width also stays within V's (16 columns for V <= 16)
         kda_fwd_gates_kernel[(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
             q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, H=H, K=K, BK=BK, BS=BS, L2NORM=opts.qk_l2norm,
-            WHOLE=whole, ANY=any_gate, **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
+            WHOLE=whole, ANY=any_gate, SUM64=SUM64, **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
         if whole:
             for any_sel, sel in split_launches(any_gate, dt):
                 kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
