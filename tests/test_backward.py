@@ -90,7 +90,9 @@ def test_triton_recompute_launches(name, disable_recompute, rng, monkeypatch):
     backend_grads("triton", case, rng, disable_recompute=disable_recompute)
     launches = stage1 + scans
     again = 1 if disable_recompute else 2
-    want = {"kda_fwd_gates_kernel": 1, "intra": 1, "kda_fwd_inverse_kernel": 1, "kda_fwd_wu_kernel": again,
+    any_gate = "kda_fwd_intra_chunk_kernel" in launches and not case.gate.startswith(("safe", "pregated"))
+    intra = len(prepare.split_launches(any_gate, case.dtype))  # ANY_SPLIT: a pair for unbounded gates
+    want = {"kda_fwd_gates_kernel": 1, "intra": intra, "kda_fwd_inverse_kernel": 1, "kda_fwd_wu_kernel": again,
             "kda_fwd_scan_kernel": again}
     got = {n: sum(1 for m in launches if m == n or (n == "intra" and "intra" in m)) for n in want}
     assert got == want, launches
@@ -216,20 +218,17 @@ WHOLE_ANY_BWD = {  # unbounded gates in training: (case, raw gates chunk by chun
 
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
-@pytest.mark.parametrize("split,sum64", [(False, True), (True, True), (True, False)],
-                         ids=["one_launch", "split", "split_sum32"])
+@pytest.mark.parametrize("split", [False, True], ids=["one_launch", "split"])
 @pytest.mark.parametrize("axis", list(WHOLE_ANY_BWD))
-def test_whole_chunk_backward_any_gate(axis, split, sum64, rng, monkeypatch):
+def test_whole_chunk_backward_any_gate(axis, split, rng, monkeypatch):
     """Unbounded gates in training take the whole-chunk path end to end (bfloat16 by default; float32
     forced, with its exact products): exact cumulative sums and, chunk by chunk, the middle anchor
     or the half-segment levels on the diagonal blocks in the forward and in the gate-gradient
     kernel. Every gradient against autograd through the float64 reference. ``split``:
-    prepare.ANY_SPLIT (16-bit inputs: the plain chunks in launches of their own); ``sum64``:
-    prepare.SUM64 (the sums in float64, else split at a grid in float32)."""
+    prepare.ANY_SPLIT (16-bit inputs: the plain chunks in launches of their own)."""
     from fastkda.backends.triton import bwd_chunk, function, prepare
 
     monkeypatch.setattr(prepare, "ANY_SPLIT", split)
-    monkeypatch.setattr(prepare, "SUM64", sum64)
     base, layout = WHOLE_ANY_BWD[axis]
     case = grow(base, GPU)
     if case.dtype != torch.bfloat16:

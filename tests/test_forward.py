@@ -198,21 +198,18 @@ ANY_GATE = {  # unbounded gates (inference): (case, raw gates chunk by chunk, cy
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
-@pytest.mark.parametrize("split,sum64", [(False, True), (True, True), (True, False)],
-                         ids=["one_launch", "split", "split_sum32"])
+@pytest.mark.parametrize("split", [False, True], ids=["one_launch", "split"])
 @pytest.mark.parametrize("axis", list(ANY_GATE))
-def test_whole_chunk_any_gate(axis, split, sum64, rng, monkeypatch):
+def test_whole_chunk_any_gate(axis, split, rng, monkeypatch):
     """Unbounded gates in inference take the whole-chunk path too: cumulative sums kept exactly
     (float32 plus their rounding errors) and, chunk by chunk, the middle anchor or the half-segment
     levels on the diagonal blocks (docs/math.md section 3). Against the reference (float32 inputs:
     at float32's precision, which differences of plain float32 sums miss at these gates), and the
     block path (prepare.WHOLE_ANY off) on the same inputs. ``split``: prepare.ANY_SPLIT (16-bit
-    inputs: the plain chunks in a launch of their own); ``sum64``: prepare.SUM64 (the sums in
-    float64, else split at a grid in float32)."""
+    inputs: the plain chunks in a launch of their own)."""
     from fastkda.backends.triton import function, prepare
 
     monkeypatch.setattr(prepare, "ANY_SPLIT", split)
-    monkeypatch.setattr(prepare, "SUM64", sum64)
     launches = spy_launches(monkeypatch, prepare, "kda_fwd_intra_chunk_kernel")
     base, layout = ANY_GATE[axis]
     case = grow(base, GPU)

@@ -82,7 +82,6 @@ DIAG_SPAN = tl.constexpr(96.0)
 # registers) and once for the others; off: one launch for every chunk
 LO_SPAN = tl.constexpr(512.0)
 ANY_SPLIT = True
-SUM64 = True  # unbounded gates' sums in float64 (else split at a grid in float32: _split_cumsum)
 CHUNK_SLICE = 64  # feature columns per step of the whole-chunk intra kernel
 WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_launch.py --set)
 
@@ -442,7 +441,7 @@ def _mm(a, b):
 
 
 @triton.jit
-def _split_cumsum(b_g):
+def _exact_cumsum(b_g):
     """Cumulative sums down axis 0 of b_g [C, BS] (float32) as float32 sums and their rounding
     errors, without float64: every value is cut at a grid u (a power of two per column, 2^21 u at
     least the column's sum of magnitudes) into a multiple of u, whose sums are then exact, and a
@@ -452,7 +451,7 @@ def _split_cumsum(b_g):
     i_u = tl.minimum(tl.maximum(i_e + 1 - 21, 1), 230)  # u = 2^(floor(log2 s) + 1 - 21), a normal number
     b_m = ((i_u + 23) << 23).to(tl.float32, bitcast=True) * 1.5  # 1.5 * 2^23 * u: its ulp is u
     b_hi = (b_g + b_m[None, :]) - b_m[None, :]  # b_g rounded to a multiple of u (|b_g| < 2^22 u)
-    b_H = tl.cumsum(b_hi, 0)  # exact: multiples of u below 2^21 u in magnitude
+    b_H = tl.cumsum(b_hi, 0)  # exact: multiples of u below 2^22 u in magnitude
     b_L = tl.cumsum(b_g - b_hi, 0)  # the remainders (exact differences), |b_L| <= 32 u
     b_G = b_H + b_L
     b_z = b_G - b_H
@@ -464,13 +463,12 @@ def kda_fwd_gates_kernel(
     q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, cu_seqlens, chunk_indices, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    WHOLE: tl.constexpr, ANY: tl.constexpr, SUM64: tl.constexpr,
+    WHOLE: tl.constexpr, ANY: tl.constexpr,
 ):
     """Block b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
     of its rows (rs). With WHOLE, the whole chunk in one program: gc holds the cumulative sums from
     the chunk start (no ga) and the chunk decay gl is stored too. With ANY (WHOLE for unbounded
-    gates) the sums are taken in float64 and kept as float32 (gc) plus their rounding error (gd,
-    float16), and gok says (bit 0) whether the middle anchor of the chunk's 16-token blocks keeps
+    gates) the sums are kept as float32 (gc) plus their rounding errors (gd, float16; _exact_cumsum), and gok says (bit 0) whether the middle anchor of the chunk's 16-token blocks keeps
     every exponent within DIAG_SPAN (base 2) and (bit 1) whether its sums reach beyond LO_SPAN."""
     NSUB: tl.constexpr = 1 if WHOLE else C // 16
     b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSUB)
@@ -487,12 +485,7 @@ def kda_fwd_gates_kernel(
             b_g = _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A,
                              HAS_BIAS)
             if ANY:
-                if SUM64:
-                    b_G64 = tl.cumsum(b_g.to(tl.float64), 0)
-                    b_G = b_G64.to(tl.float32)
-                    b_E = (b_G64 - b_G.to(tl.float64)).to(tl.float32)
-                else:
-                    b_G, b_E = _split_cumsum(b_g)
+                b_G, b_E = _exact_cumsum(b_g)
                 _put(gd, b_E, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
                 # the middle anchor's largest exponents: G_0 - G_8 (rows) and G_8 - G_15 (columns) of
                 # every block (G is non-increasing: G_8 is the largest of rows 8..15)
@@ -734,7 +727,7 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
         # slice width also stays within V's (16 columns for V <= 16)
         kda_fwd_gates_kernel[(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
             q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, H=H, K=K, BK=BK, BS=BS, L2NORM=opts.qk_l2norm,
-            WHOLE=whole, ANY=any_gate, SUM64=SUM64, **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
+            WHOLE=whole, ANY=any_gate, **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
         if whole:
             for any_sel, sel in split_launches(any_gate, dt):
                 kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
