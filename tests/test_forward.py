@@ -239,6 +239,33 @@ def test_whole_chunk_any_gate(axis, split, rng, monkeypatch):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 40.0, 3e3, 1e6])
+def test_exact_cumsum(scale, rng):
+    """The gates kernel's cumulative sums without float64 (prepare._exact_cumsum): float32 sum plus
+    rounding error equal the float64 sum of the float32 gates to ~2^-33 of the column's magnitude
+    (a plain float32 cumulative sum is off by ~2^-24 of it), on columns mixing zeros, tiny values,
+    one huge value and gates of every size."""
+    from triton_probes import exact_cumsum_kernel
+
+    x = -torch.rand(64, 32, generator=rng, dtype=torch.float64).mul(scale).float()
+    x[:, 0] = 0.0
+    x[:, 1] *= 1e-7
+    x[::5, 2] *= 1e4
+    x[7, 3] = -scale * 1e5
+    x = x.to(DEVICE)
+    G, E = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    exact_cumsum_kernel[(1,)](x, G, E, C=64, BS=32)
+    exact = torch.cumsum(x.double(), 0)
+    bound = x.double().abs().sum(0) * 2.0**-33
+    assert bool(((G.double() + E.double() - exact).abs() <= bound).all())
+    assert bool(((G.double() - exact).abs() <= exact.abs() * 2.0**-24).all())  # G: exact's float32 rounding
+    plain = x.cpu().clone()  # float32 sums row by row (torch's cumsum accumulates wider on the CPU)
+    for i in range(1, 64):
+        plain[i] += plain[i - 1]
+    assert bool(((plain.double() - exact.cpu()).abs() > bound.cpu()).any())  # which the bound tells apart
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 def test_whole_chunk_path_needs_activated_gates():
     """Stage 1's whole-chunk path refuses pre-activated gates (nothing bounds their sign) with a
     ValueError, before anything is launched; gates activated in the kernel take it in inference,

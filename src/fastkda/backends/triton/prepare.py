@@ -79,7 +79,8 @@ DIAG_SPAN = tl.constexpr(96.0)
 # with bounded gates (|G| <= 462): such a chunk with the middle anchor (gok == 1) needs neither the
 # rounding errors nor the levels. With ANY_SPLIT (16-bit inputs) the whole-chunk intra and
 # gate-gradient kernels launch twice, once for those chunks compiled as for bounded gates (fewer
-# registers) and once for the others; off: one launch for every chunk
+# registers) and once for the others; off: one launch for every chunk (B1 T8192 H64 softplus bf16
+# on an H200: training step 10.25 against 10.75 ms, forward 2.59 against 3.04 ms)
 LO_SPAN = tl.constexpr(512.0)
 ANY_SPLIT = True
 CHUNK_SLICE = 64  # feature columns per step of the whole-chunk intra kernel
