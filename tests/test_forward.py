@@ -258,7 +258,7 @@ def test_exact_cumsum(scale, rng):
     exact = torch.cumsum(x.double(), 0)
     bound = x.double().abs().sum(0) * 2.0**-33
     assert bool(((G.double() + E.double() - exact).abs() <= bound).all())
-    assert bool(((G.double() - exact).abs() <= exact.abs() * 2.0**-24).all())  # G: exact's float32 rounding
+    assert bool(((G.double() - exact).abs() <= exact.abs() * 2.0**-24 + bound).all())  # G: float32 rounding of G + E
     plain = x.cpu().clone()  # float32 sums row by row (torch's cumsum accumulates wider on the CPU)
     for i in range(1, 64):
         plain[i] += plain[i - 1]
