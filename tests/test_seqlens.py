@@ -31,6 +31,50 @@ def test_host_copy_reused_until_the_tensor_changes():
     assert options.host_seqlens(cu).tolist() == [0, 1, 2]
 
 
+def test_values_checked_and_tables_built_once_per_copy(monkeypatch):
+    """What a varlen call derives from the boundaries (the value check, the chunk tables) is kept
+    with the host copy: done again for a changed tensor or another T, never kept for a copy the
+    caller owns (cu_seqlens_cpu), nor for values that failed the check."""
+    calls = []
+    check = options.check_seqlens
+    monkeypatch.setattr(options, "check_seqlens", lambda vals, T, **kw: calls.append(T) or check(vals, T, **kw))
+    ref = torch.zeros(1, device=DEVICE)
+    cu = torch.tensor([0, 3, 7, 12], device=DEVICE)
+    for _ in range(3):
+        n, host = options._cu_seqlens(cu, None, 1, 12, ref, True)
+    assert n == 3 and calls == [12]
+    made = []
+    tables = [options.seqlens_derived(host, ("chunks", 4), lambda: made.append(1) or object()) for _ in range(2)]
+    assert tables[0] is tables[1] and made == [1]
+    with pytest.raises(ValueError, match="end at the total length"):
+        options._cu_seqlens(cu, None, 1, 13, ref, True)  # another T: checked (and refused) again
+    with pytest.raises(ValueError, match="end at the total length"):
+        options._cu_seqlens(cu, None, 1, 13, ref, True)  # a failure is not kept
+    assert calls == [12, 13, 13]
+    cu[3] = 13  # in place: a new copy, checked again
+    options._cu_seqlens(cu, None, 1, 13, ref, True)
+    assert calls == [12, 13, 13, 13]
+    mine = torch.tensor([0, 3, 7, 13])
+    for _ in range(2):
+        options._cu_seqlens(cu, mine, 1, 13, ref, True)
+    assert calls == [12, 13, 13, 13, 13, 13]  # the caller's copy: every call
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+def test_chunk_tables_follow_the_copy():
+    from fastkda.backends.triton.common import chunk_tables
+
+    cu = torch.tensor([0, 5, 5, 70], device=DEVICE)
+    a = chunk_tables(options.host_seqlens(cu), 64, DEVICE)
+    assert chunk_tables(options.host_seqlens(cu), 64, DEVICE) is a
+    assert a[2] == 3 and a[0].tolist() == [[0, 0], [2, 0], [2, 1]] and a[1].tolist() == [0, 1, 1, 3]
+    b = chunk_tables(options.host_seqlens(cu), 32, DEVICE)
+    assert b[2] == 4 and b[1].tolist() == [0, 1, 1, 4]
+    cu[1] = 2  # in place
+    c = chunk_tables(options.host_seqlens(cu), 64, DEVICE)
+    assert c is not a and c[0].tolist() == [[0, 0], [1, 0], [2, 0], [2, 1]] and c[1].tolist() == [0, 1, 2, 4]
+
+
 def test_host_copy_never_aliases_a_cpu_tensor():
     cu = torch.tensor([0, 4, 9])
     host = options.host_seqlens(cu)

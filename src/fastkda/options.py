@@ -13,7 +13,7 @@ import math
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -189,7 +189,8 @@ def _gate_params(
     return GateMode.SOFTPLUS if lower_bound is None else GateMode.LOWER_BOUND
 
 
-# Host copies of recently seen cu_seqlens: {id: (weak reference, version, layout, int64 host copy)}
+# Host copies of recently seen cu_seqlens: {id: (weak reference, version, layout, int64 host copy,
+# {key: what was derived from the copy's values})}
 _HOST_COPIES: OrderedDict = OrderedDict()
 HOST_COPIES = 8  # tensors remembered (0: read the values back on every call)
 
@@ -214,10 +215,24 @@ def host_seqlens(cu: torch.Tensor) -> torch.Tensor:
         _HOST_COPIES.move_to_end(id(cu))
         return hit[3]
     host = cu.detach().to("cpu", torch.int64, copy=True)  # never an alias of a CPU cu
-    _HOST_COPIES[id(cu)] = (weakref.ref(cu), version, layout, host)
+    _HOST_COPIES[id(cu)] = (weakref.ref(cu), version, layout, host, {})
     while len(_HOST_COPIES) > HOST_COPIES:
         _HOST_COPIES.popitem(last=False)
     return host
+
+
+def seqlens_derived(host: torch.Tensor, key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()``, kept with ``host`` for the next call when ``host`` is a copy host_seqlens keeps
+    (nobody writes those; a new value of cu_seqlens gets a new copy): the value check and the chunk
+    tables of a varlen call then cost no pass over the sequences while the tensor stays the same.
+    Any other host tensor (``cu_seqlens_cpu``, which its owner may change): ``make()`` every call.
+    Nothing is kept when ``make`` raises."""
+    entry = next((e for e in _HOST_COPIES.values() if e[3] is host), None)
+    if entry is None:
+        return make()
+    if key not in entry[4]:
+        entry[4][key] = make()
+    return entry[4][key]
 
 
 def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch.Tensor, check_values: bool | None):
@@ -240,7 +255,7 @@ def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch
     elif check_values or (check_values is None and cu.device.type == "cpu"):
         host = host_seqlens(cu)
     if host is not None:
-        check_seqlens(host.tolist(), T)
+        seqlens_derived(host, ("checked", T), lambda: check_seqlens(host.tolist(), T) or True)
     return cu.numel() - 1, host
 
 

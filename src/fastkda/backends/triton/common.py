@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...options import graph_chunk_slots
+from ...options import graph_chunk_slots, seqlens_derived
 from ...testing import new_empty
 
 LOG2E = math.log2(math.e)
@@ -187,10 +187,14 @@ def _chunk_tables(lens: tuple[int, ...], C: int, device: str):
 
 
 def chunk_tables(cu_host: torch.Tensor, C: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    cu = cu_host.tolist()
-    lens = tuple(cu[i + 1] - cu[i] for i in range(len(cu) - 1))
-    ci, co = _chunk_tables(lens, C, str(device))
-    return ci, co, ci.shape[0]
+    """(chunk_indices, chunk_offsets, NT_total) of the host copy of cu_seqlens, kept with the copy
+    (options.seqlens_derived) and by sequence lengths (_chunk_tables)."""
+    def make():
+        cu = cu_host.tolist()
+        ci, co = _chunk_tables(tuple(cu[i + 1] - cu[i] for i in range(len(cu) - 1)), C, str(device))
+        return ci, co, ci.shape[0]
+
+    return seqlens_derived(cu_host, ("chunks", C, str(device)), make)
 
 
 def out_alloc(opts):
