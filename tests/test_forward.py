@@ -239,6 +239,25 @@ def test_whole_chunk_any_gate(axis, split, rng, monkeypatch):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_gates_slice_width(gate, rng, monkeypatch):
+    """The gates kernel's slice width (prepare.GATES_SLICE) changes only the order of the rows'
+    sums of squares: 16 and 32 columns agree to float32 rounding (K = 64, the whole-chunk path)."""
+    from fastkda.backends.triton import prepare
+
+    case = Case(T=100, K=64, V=32, gate=gate, l2norm=True, dtype=torch.float32, A_log_range=(0.0, 2.0))
+    x = make_inputs(grow(case, GPU), device=DEVICE, generator=rng)
+    monkeypatch.setattr(prepare, "WHOLE_ANY", True)
+    outs = []
+    for width in (32, 16):
+        monkeypatch.setattr(prepare, "GATES_SLICE", width)
+        with use_backend("triton"), torch.no_grad():
+            outs.append(chunk_kda(**x))
+    check("o (16 columns)", outs[1][0], outs[0][0], 1e-6)
+    check("final_state (16 columns)", outs[1][1], outs[0][1], 1e-6)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 40.0, 3e3, 1e6])
 def test_exact_cumsum(scale, rng):
     """The gates kernel's cumulative sums without float64 (prepare._exact_cumsum): float32 sum plus
