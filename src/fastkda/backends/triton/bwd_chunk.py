@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ...options import GateMode
 from ...testing import new_empty
 from .common import (block_lower, cdiv, chunk_program, dot_config, exclusive_cumsum, gate_backward, gate_launch,
                      launch_options, out_alloc, pow2, row_of)
@@ -73,9 +72,9 @@ PAIR_PREC = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ie
 
 
 def whole_backward(opts, dtype: torch.dtype) -> bool:
-    """Whether the backward of these options takes the whole-chunk path (see WHOLE_BACKWARD): bounded
-    gates, or with prepare.WHOLE_ANY any gate the kernels activate."""
-    if not opts.safe_gate and (not prepare.WHOLE_ANY or opts.gate == GateMode.PREGATED):
+    """Whether the backward of these options takes the whole-chunk path (see WHOLE_BACKWARD), for the
+    gates that path serves (prepare.whole_gates)."""
+    if not prepare.whole_gates(opts):
         return False
     if WHOLE_BACKWARD is not None:
         return WHOLE_BACKWARD

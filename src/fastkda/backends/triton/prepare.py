@@ -677,13 +677,17 @@ def split_launches(any_gate: bool, dtype: torch.dtype) -> tuple:
     return ((any_gate, 0),)
 
 
+def whole_gates(opts) -> bool:
+    """Whether the whole-chunk path serves these gates: bounded ones (``safe_gate``) or, with
+    WHOLE_ANY, any gate the kernels activate (non-positive by construction)."""
+    return opts.safe_gate or (WHOLE_ANY and opts.gate != GateMode.PREGATED)
+
+
 def whole_forward(opts, train: bool, whole_bwd: bool) -> bool:
-    """Whether stage 1 takes the whole-chunk path: for bounded gates (``safe_gate``) or, with
-    WHOLE_ANY, any gate the kernels activate (non-positive by construction), in inference, and in
-    training when the backward takes it too (``whole_bwd``: bwd_chunk.whole_backward)."""
-    if not opts.safe_gate and (not WHOLE_ANY or opts.gate == GateMode.PREGATED):
-        return False
-    return not train or whole_bwd
+    """Whether stage 1 takes the whole-chunk path: for the gates it serves (whole_gates), in
+    inference, and in training when the backward takes it too (``whole_bwd``:
+    bwd_chunk.whole_backward)."""
+    return whole_gates(opts) and (not train or whole_bwd)
 
 
 def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=False) -> Prepared:
