@@ -36,7 +36,7 @@ from .common import (block_lower, cdiv, chunk_program, dot_config, exclusive_cum
                      launch_options, out_alloc, pow2, row_of)
 from .scan import _state_ptrs
 from . import prepare
-from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _put, _tile, _x, level_pairs, skip_chunk,
+from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _put, _tile, _x, chunk_form, level_pairs,
                       split_launches, split_level)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
@@ -302,11 +302,9 @@ def kda_bwd_gate_chunk_kernel(
     b_dq = tl.zeros([C, BS], tl.float32)
     b_dkr = tl.zeros([C, BS], tl.float32)
     b_dkc = tl.zeros([C, BS], tl.float32)
-    if skip_chunk(gok, i_p, SEL):
+    skip, mid = chunk_form(gok, i_p, SEL, ANY)
+    if skip:
         return
-    mid = True
-    if ANY:
-        mid = (tl.load(gok + i_p) & 1) != 0
     if C == 64:
         b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, b_L, gc, gd, bos, t0, T_seq,
                                          i_hv, HV, K, o_c, o_d, 64, True, ANY, PREC)

@@ -347,17 +347,22 @@ def _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constex
 
 
 @triton.jit
-def skip_chunk(gok, i_p, SEL: tl.constexpr):
-    """Whether this launch of a split pair (ANY_SPLIT) leaves chunk slot i_p to the other: SEL 1
-    takes the chunks with gok == 1 (middle anchor, small sums), SEL 2 the others, SEL 0 every chunk."""
+def chunk_form(gok, i_p, SEL: tl.constexpr, ANY: tl.constexpr):
+    """(skip, mid) of chunk slot i_p from its gok word, read once: whether this launch of a split
+    pair (ANY_SPLIT) leaves the chunk to the other (SEL 1 takes the chunks with gok == 1, middle
+    anchor and small sums; SEL 2 the others; SEL 0 every chunk), and whether its diagonal blocks
+    take the middle anchor (always for bounded gates, ANY off; else gok's bit 0)."""
     skip = False
-    if SEL != 0:  # one return: the compiler visits code after a constexpr-if's return (gok is None at SEL 0)
+    mid = True
+    if SEL != 0 or ANY:  # one return: the compiler visits code after a constexpr-if's return (gok None)
         f = tl.load(gok + i_p)
         if SEL == 1:
             skip = f != 1
-        else:
+        if SEL == 2:
             skip = f == 1
-    return skip
+        if ANY:
+            mid = (f & 1) != 0
+    return skip, mid
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -381,11 +386,9 @@ def kda_fwd_intra_chunk_kernel(
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, C)
     rs += i_p * 2 * C
-    if skip_chunk(gok, i_p, SEL):
+    skip, mid = chunk_form(gok, i_p, SEL, ANY)  # mid: the middle anchor keeps this chunk's factors finite
+    if skip:
         return
-    mid = True
-    if ANY:
-        mid = (tl.load(gok + i_p) & 1) != 0  # the middle anchor keeps this chunk's factors finite
     b_A = tl.zeros([C, C], tl.float32)
     for s in range(0, BK, BS):
         o_d = s + tl.arange(0, BS)
