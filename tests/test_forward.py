@@ -241,20 +241,28 @@ def test_whole_chunk_any_gate(axis, split, rng, monkeypatch):
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
 def test_gates_slice_width(gate, rng, monkeypatch):
-    """The gates kernel's slice width (prepare.GATES_SLICE) changes only the order of the rows'
-    sums of squares: 16 and 32 columns agree to float32 rounding (K = 64, the whole-chunk path)."""
+    """The gates kernel's slice widths (prepare.GATES_SLICE, GATES_SLICE_ANY) change only the order
+    of the rows' sums of squares: 16 and 32 columns both match the reference, and each other far
+    closer than that (K = 64, the whole-chunk path, float32)."""
     from fastkda.backends.triton import prepare
 
     case = Case(T=100, K=64, V=32, gate=gate, l2norm=True, dtype=torch.float32, A_log_range=(0.0, 2.0))
     x = make_inputs(grow(case, GPU), device=DEVICE, generator=rng)
+    o_ref, s_ref = reference(x)
     monkeypatch.setattr(prepare, "WHOLE_ANY", True)
     outs = []
     for width in (32, 16):
         monkeypatch.setattr(prepare, "GATES_SLICE", width)
+        monkeypatch.setattr(prepare, "GATES_SLICE_ANY", width)
         with use_backend("triton"), torch.no_grad():
-            outs.append(chunk_kda(**x))
-    check("o (16 columns)", outs[1][0], outs[0][0], 1e-6)
-    check("final_state (16 columns)", outs[1][1], outs[0][1], 1e-6)
+            o, s = chunk_kda(**x)
+        check(f"o ({width} columns)", o, o_ref, tol_for(torch.float32, "triton"))
+        check(f"final_state ({width} columns)", s, s_ref, tol_for(torch.float32, "triton"))
+        outs.append((o, s))
+    # 1/|q| and 1/|k| differ by an ulp between the widths; the chunk products carry that through the
+    # whole sequence (measured on an H200: 1.7e-6..2.0e-6 relative in o for bounded gates at B2 T1600 K128)
+    check("o (16 against 32 columns)", outs[1][0], outs[0][0], 1e-5)
+    check("final_state (16 against 32 columns)", outs[1][1], outs[0][1], 1e-5)
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")

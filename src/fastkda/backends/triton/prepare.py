@@ -85,9 +85,11 @@ LO_SPAN = tl.constexpr(512.0)
 ANY_SPLIT = True
 CHUNK_SLICE = 64  # feature columns per step of the whole-chunk intra kernel
 WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_launch.py --set)
-# feature columns per step of the gates kernel (at K = 128, bfloat16, 4 warps: 151 registers for
-# unbounded gates at 32 columns, 90 at 16; bounded gates 76 and 64)
+# feature columns per step of the gates kernel, bounded and unbounded gates (at K = 128, bfloat16,
+# 4 warps: bounded 76 registers at 32 columns, 64 at 16; unbounded 151 and 90). On an H200, B1 T8192
+# H64: bounded 0.254 ms at 32, 0.301 at 16; unbounded 0.713 at 32, 0.630 at 16
 GATES_SLICE = 32
+GATES_SLICE_ANY = 16
 
 
 @triton.jit
@@ -737,7 +739,7 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
         # parallelism's fused identity run runs the binaries tuned and tested for V = K); the
         # slice width also stays within V's (16 columns for V <= 16)
         kda_fwd_gates_kernel[(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
-            q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, H=H, K=K, BK=BK, BS=min(GATES_SLICE, BS), L2NORM=opts.qk_l2norm,
+            q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, H=H, K=K, BK=BK, BS=min(GATES_SLICE_ANY if any_gate else GATES_SLICE, BS), L2NORM=opts.qk_l2norm,
             WHOLE=whole, ANY=any_gate, **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
         if whole:
             for any_sel, sel in split_launches(any_gate, dt):
