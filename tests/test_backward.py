@@ -74,6 +74,28 @@ def test_disable_recompute_same_gradients(backend, name, rng):
 
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("name", ["bf16_whole", "bf16_whole_softplus", "bf16_whole_varlen"])
+def test_bf16_products(name, rng, monkeypatch):
+    """prepare.BF16_PRODUCTS on (the whole-chunk intra and the w/u products from bfloat16 operands):
+    the inference output and every gradient of a training step against the float64 reference
+    within bfloat16's budget, and the switch reaches the kernels (the output changes)."""
+    from fastkda.backends.triton import prepare
+
+    case = grow(RECOMPUTE_CASES[name], GPU)
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    x = make_inputs(case, device=DEVICE, generator=torch.Generator().manual_seed(seed))
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(prepare, "BF16_PRODUCTS", {"chunk": on, "wu": on})
+        with use_backend("triton"), torch.no_grad():
+            outs.append(chunk_kda(**x, chunk_size=case.chunk_size)[0])
+    check("o", outs[1], reference(x)[0], tol_for(case.dtype, "triton"))
+    assert not torch.equal(outs[0], outs[1]), "BF16_PRODUCTS changed nothing"
+    x, got, want = grads("triton", case, torch.Generator().manual_seed(seed))
+    check_grads(got, want, x, tol_for(case.dtype, "triton"))
+
+
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("name,disable_recompute", [*((n, False) for n in RECOMPUTE_CASES),
                                                      ("bf16_whole", True), ("softplus_varlen", True)])
 def test_triton_recompute_launches(name, disable_recompute, rng, monkeypatch):

@@ -60,7 +60,7 @@ import triton.language as tl
 from ...options import GateMode
 from ...testing import new_empty
 from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tables, chunk_tables_static, dot_config,
-                     gate_launch, launch_options, pow2, row_of)
+                     gate_launch, launch_options, mma, pow2, row_of)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (tools/sweep_launch.py); beyond,
 # at least 4 warps. "chunk" is the whole-chunk intra kernel (4 warps, 64-column steps: 0.74 ms at
@@ -90,6 +90,10 @@ WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_l
 # H64: bounded 0.254 ms at 32, 0.301 at 16; unbounded 0.713 at 32, 0.630 at 16
 GATES_SLICE = 32
 GATES_SLICE_ANY = 16
+# bfloat16 inputs: the products of the whole-chunk intra kernel ("chunk") and of the w/u kernel
+# ("wu") from operands rounded to bfloat16 instead of tf32 (tensor-core rate twice tf32's, operand
+# tiles half the size); off: tf32
+BF16_PRODUCTS = {"chunk": False, "wu": False}
 
 
 @triton.jit
@@ -346,7 +350,7 @@ def _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constex
     """Add level S of a chunk's Aqk (b_x = q) or Akk (b_x = k, ``strict`` = 1: below the diagonal
     only) for one feature slice: a [C, C] product whose entries outside the level are discarded."""
     m, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, strict, S, HALF, ANY)
-    return b_A + tl.where(m, tl.dot(b_x * b_r, tl.trans(b_k * b_c), input_precision=PREC), 0.0)
+    return b_A + tl.where(m, _prod(b_x * b_r, tl.trans(b_k * b_c), PREC), 0.0)
 
 
 @triton.jit
@@ -448,6 +452,17 @@ def _inv_unit_lower(b_L, o_i):
 @triton.jit
 def _mm(a, b):
     return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _prod(a, b, PREC: tl.constexpr):
+    """a @ b in float32 from float32 operands: at input precision PREC, or ("bf16") rounded to
+    bfloat16 ("bf16_emulated": the same roundings, float32 products, for the interpreter; common.mma)."""
+    if PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    if PREC == "bf16_emulated":
+        return tl.dot(mma(a, tl.bfloat16, True), mma(b, tl.bfloat16, True), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -635,11 +650,11 @@ def kda_fwd_wu_kernel(
             b_d = tl.exp2(_x(ga, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + b_after)
         _put(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
         _put(kd, b_k * b_d, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-        _put(w, tl.dot(b_X, b_k * b_b[:, None] * b_e, input_precision=PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+        _put(w, _prod(b_X, b_k * b_b[:, None] * b_e, PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
     else:  # u = X (beta v)
         o_d = (i_s - NSK) * BS + tl.arange(0, BS)
         b_y = _tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_d) * b_b[:, None]
-        _put(u, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
+        _put(u, _prod(b_X, b_y, PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
 
 
 class Prepared(NamedTuple):
@@ -672,6 +687,13 @@ def chunk_tables_of(opts, cu_seqlens, cu_host) -> tuple[torch.Tensor | None, tor
     if cu_seqlens is not None:
         return chunk_tables(cu_host, opts.chunk_size, cu_seqlens.device)
     return None, None, opts.shape.B * cdiv(opts.shape.T, opts.chunk_size)
+
+
+def _products(prec: str, dtype: torch.dtype, name: str) -> str:
+    """The products' precision of kernel ``name`` (BF16_PRODUCTS) for inputs of ``dtype``."""
+    if not (BF16_PRODUCTS[name] and dtype == torch.bfloat16):
+        return prec
+    return "bf16_emulated" if dot_config(dtype)[2] else "bf16"
 
 
 def split_launches(any_gate: bool, dtype: torch.dtype) -> tuple:
@@ -746,7 +768,7 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
             for any_sel, sel in split_launches(any_gate, dt):
                 kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
                     q, k, gc, gd, gok, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=min(CHUNK_SLICE, BK),
-                    PREC=PREC, ANY=any_sel, SEL=sel, **where, **launch_options(LAUNCH, "chunk", BK, BK))
+                    PREC=_products(PREC, dt, "chunk"), ANY=any_sel, SEL=sel, **where, **launch_options(LAUNCH, "chunk", BK, BK))
         else:
             kda_fwd_intra_kernel[(NT_total * NC, HV)](
                 q, k, gc, ga, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate, PREC=PREC,
@@ -770,6 +792,6 @@ def fwd_wu(opts, p: Prepared, q, k, v, beta, cu_seqlens) -> Prepared:
         NSK, NSV = cdiv(K, BS), cdiv(V, BS)
         kda_fwd_wu_kernel[(p.NT_total * (NSK + NSV), HV)](
             q, k, v, beta, p.gc, p.ga, p.gd, p.rs, p.xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS, NSK=NSK,
-            NSV=NSV, PREC=dot_config(dt)[1], WHOLE=p.ga is None, ANY=p.gd is not None, SIGMOID=opts.beta_sigmoid,
+            NSV=NSV, PREC=_products(dot_config(dt)[1], dt, "wu"), WHOLE=p.ga is None, ANY=p.gd is not None, SIGMOID=opts.beta_sigmoid,
             BETA_SCALE=opts.beta_scale, **_where(opts, p, cu_seqlens), **launch_options(LAUNCH, "wu", BK, BV))
     return p._replace(w=w, u=u, qg=qg, kd=kd)
