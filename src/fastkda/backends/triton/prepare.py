@@ -343,10 +343,9 @@ def _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.co
     if S == 16 and not HALF:
         b_r = tl.exp2(b_e)
         b_c = tl.exp2(-b_e)
-    else:  # exp2(min(e, 0)) and exp2(min(-e, 0)): one is 1, the other exp2(-|e|) (one exp2, not two)
-        b_t = tl.exp2(-tl.abs(b_e))
-        b_r = tl.where(b_e < 0.0, b_t, 1.0)
-        b_c = tl.where(b_e > 0.0, b_t, 1.0)
+    else:
+        b_r = tl.exp2(tl.minimum(b_e, 0.0))
+        b_c = tl.exp2(tl.minimum(-b_e, 0.0))
     return level_pairs(o_c[:, None], o_c[None, :], strict, S, HALF), b_r, b_c
 
 
