@@ -125,40 +125,29 @@ WHOLE_EXTRA = {  # feature widths that are not powers of two, the widest keys; k
 }
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["stage_kernels", "fused"])
 @pytest.mark.parametrize("axis", [*AXES, *WHOLE_EXTRA])
-def test_whole_chunk_path(axis, fused, rng, monkeypatch):
+def test_whole_chunk_path(axis, rng, monkeypatch):
     """Bounded gates: the Triton forward's whole-chunk path (docs/math.md section 3) on every
-    axis, against the reference, with the gates and inverse kernels or with their work in the intra
-    kernel (prepare.FUSED_GATES, FUSED_INVERSE); and the block path (which the training forward takes for the backward
-    to read, except for bfloat16; forced here) on the same inputs."""
+    axis, against the reference, and the block path (which the training forward takes for the
+    backward to read, except for bfloat16; forced here) on the same inputs."""
     from fastkda.backends.triton import bwd_chunk, prepare
 
     monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", False)  # the training forward below: the block path
-    monkeypatch.setattr(prepare, "FUSED_GATES", fused)
-    monkeypatch.setattr(prepare, "FUSED_INVERSE", fused)
     case = bounded(grow(AXES[axis], GPU) if axis in AXES else WHOLE_EXTRA[axis])
-    # which kernels ran proves the path
-    launches = spy_launches(monkeypatch, prepare, "kda_fwd_gates_kernel", "kda_fwd_intra_chunk_kernel",
-                            "kda_fwd_inverse_kernel")
+    launches = spy_launches(monkeypatch, prepare, "kda_fwd_intra_chunk_kernel")  # proves which path ran
     x = make_inputs(case, device=DEVICE, generator=rng)
-    o_ref, s_ref = reference(x)
-    tol = tol_for(case.dtype, "triton")
     with use_backend("triton"):
         o, s = chunk_kda(**x, chunk_size=case.chunk_size)
-    stage_kernels = ["kda_fwd_gates_kernel", "kda_fwd_intra_chunk_kernel", "kda_fwd_inverse_kernel"]
-    assert launches == (["kda_fwd_intra_chunk_kernel"] if fused else stage_kernels), launches
-    check("o (whole-chunk path)", o, o_ref, tol)
-    if case.final_state:
-        check("final_state (whole-chunk path)", s, s_ref, tol)
-    if fused:
-        return
-    with use_backend("triton"):
+        assert len(launches) == 1, "the whole-chunk path did not run"
         xb = {**x, "q": x["q"].detach().clone().requires_grad_(True)}
         o_b, s_b = chunk_kda(**xb, chunk_size=case.chunk_size, disable_recompute=True)
-    assert "kda_fwd_intra_chunk_kernel" not in launches[3:], "the block path launched the whole-chunk kernel"
+        assert len(launches) == 1, "the block path launched the whole-chunk kernel"
+    o_ref, s_ref = reference(x)
+    tol = tol_for(case.dtype, "triton")
+    check("o (whole-chunk path)", o, o_ref, tol)
     check("o (block path)", o_b.detach(), o_ref, tol)
     if case.final_state:
+        check("final_state (whole-chunk path)", s, s_ref, tol)
         check("final_state (block path)", s_b.detach(), s_ref, tol)
 
 
@@ -209,23 +198,19 @@ ANY_GATE = {  # unbounded gates (inference): (case, raw gates chunk by chunk, cy
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
-@pytest.mark.parametrize("mode", ["one_launch", "split", "split_invert"])
+@pytest.mark.parametrize("split", [False, True], ids=["one_launch", "split"])
 @pytest.mark.parametrize("axis", list(ANY_GATE))
-def test_whole_chunk_any_gate(axis, mode, rng, monkeypatch):
+def test_whole_chunk_any_gate(axis, split, rng, monkeypatch):
     """Unbounded gates in inference take the whole-chunk path too: cumulative sums kept exactly
     (float32 plus their rounding errors) and, chunk by chunk, the middle anchor or the half-segment
     levels on the diagonal blocks (docs/math.md section 3). Against the reference (float32 inputs:
     at float32's precision, which differences of plain float32 sums miss at these gates), and the
     block path (prepare.WHOLE_ANY off) on the same inputs. ``split``: prepare.ANY_SPLIT (16-bit
-    inputs: the plain chunks in a launch of their own); "split_invert" with prepare.FUSED_INVERSE
-    (each launch's Akk programs invert their chunks)."""
+    inputs: the plain chunks in a launch of their own)."""
     from fastkda.backends.triton import function, prepare
 
-    split = mode != "one_launch"
     monkeypatch.setattr(prepare, "ANY_SPLIT", split)
-    monkeypatch.setattr(prepare, "FUSED_INVERSE", mode == "split_invert")
     launches = spy_launches(monkeypatch, prepare, "kda_fwd_intra_chunk_kernel")
-    inverses = spy_launches(monkeypatch, prepare, "kda_fwd_inverse_kernel")
     base, layout = ANY_GATE[axis]
     case = grow(base, GPU)
     x = make_inputs(case, device=DEVICE, generator=rng)
@@ -238,7 +223,6 @@ def test_whole_chunk_any_gate(axis, mode, rng, monkeypatch):
         p = kept[-1]
         assert p.ga is None and p.gd is not None, "the whole-chunk path for unbounded gates did not run"
         assert len(launches) == (2 if split and case.dtype != torch.float32 else 1), launches
-        assert len(inverses) == (0 if mode == "split_invert" else 1), inverses
         seen = {v & 1 for v in p.gok.flatten().tolist()}
         assert forms <= seen, f"diagonal forms {seen}, expected {forms} among them (1: middle anchor, 0: levels)"
         monkeypatch.setattr(prepare, "WHOLE_ANY", False)

@@ -64,7 +64,8 @@ from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tabl
 
 # (warps, register cap or None) of each launch for K, V <= 128 (tools/sweep_launch.py); beyond,
 # at least 4 warps. "chunk" is the whole-chunk intra kernel (4 warps, 64-column steps: 0.74 ms at
-# B1 T8192 H64 on the H200; 8 warps or 16-, 32-column steps were slower)
+# B1 T8192 H64 on the H200; 8 warps or 16-, 32-column steps were slower; so was folding the gates
+# kernel's work into it, 1.57 ms against 0.82 + 0.25, or the inverse's, 1.14 against 0.82 + 0.18)
 # "inverse" at 1 warp and "intra" capped at 128 registers: B1 T8192 H64 on the H200, one training
 # step (0.21 -> 0.18 ms per call; softplus intra 2.83 -> 2.57 ms per call; 2.29 ms since the
 # diagonal blocks' levels, against 4.13 ms at 4 warps without the cap)
@@ -84,22 +85,18 @@ DIAG_SPAN = tl.constexpr(96.0)
 LO_SPAN = tl.constexpr(512.0)
 ANY_SPLIT = True
 CHUNK_SLICE = 64  # feature columns per step of the whole-chunk intra kernel
-# bounded gates on the whole-chunk path: no gates kernel; the whole-chunk intra kernel activates and
-# sums the gates and takes the rows' norms itself (kda_fwd_intra_chunk_kernel, GATES)
-FUSED_GATES = False
-# the whole-chunk path (any gate): no inverse kernel; the Akk programs of the whole-chunk intra kernel
-# invert their chunk's blocks themselves (kda_fwd_intra_chunk_kernel, INVERT)
-FUSED_INVERSE = False
 WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_launch.py --set)
 # feature columns per step of the gates kernel, bounded and unbounded gates (at K = 128, bfloat16,
 # 4 warps: bounded 76 registers at 32 columns, 64 at 16; unbounded 151 and 90). On an H200, B1 T8192
 # H64: bounded 0.254 ms at 32, 0.301 at 16; unbounded 0.713 at 32, 0.630 at 16
 GATES_SLICE = 32
 GATES_SLICE_ANY = 16
-# bfloat16 inputs: the products of the whole-chunk intra kernel ("chunk") and of the w/u kernel
-# ("wu") from operands rounded to bfloat16 instead of tf32 (tensor-core rate twice tf32's, operand
-# tiles half the size); off: tf32
-BF16_PRODUCTS = {"chunk": False, "wu": False}
+# bfloat16 inputs: the whole-chunk intra kernel's products from operands rounded to bfloat16 instead
+# of tf32. B1 T8192 H64 on an H200 (timed on a slower variant of the level factors, 0.81 ms with
+# tf32; the kernel as it is takes 0.74): 0.81 -> 0.68 ms, forward error against float64 3.1e-3 ->
+# 3.7e-3 (fla-core 0.6.0: 4.1e-3); off until the GPU tier has run with it. (The same for the w/u
+# kernel was slower: 0.45 -> 0.58 ms.)
+BF16_PRODUCTS = False
 
 
 @triton.jit
@@ -343,7 +340,7 @@ def _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.co
     if S == 16 and not HALF:
         b_r = tl.exp2(b_e)
         b_c = tl.exp2(-b_e)
-    else:
+    else:  # (one exp2(-|e|) and two selects instead: whole-chunk intra 0.74 -> 0.82 ms, B1 T8192 H64)
         b_r = tl.exp2(tl.minimum(b_e, 0.0))
         b_c = tl.exp2(tl.minimum(-b_e, 0.0))
     return level_pairs(o_c[:, None], o_c[None, :], strict, S, HALF), b_r, b_c
@@ -379,11 +376,9 @@ def chunk_form(gok, i_p, SEL: tl.constexpr, ANY: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_intra_chunk_kernel(
-    q, k, g, A_log, dt_bias, beta, gc, gd, gok, gl, rs, Aqk, ls, xs, cu_seqlens, chunk_indices, scale, lower_bound, T,
+    q, k, gc, gd, gok, rs, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, ANY: tl.constexpr, SEL: tl.constexpr, GATES: tl.constexpr,
-    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, INVERT: tl.constexpr,
-    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, ANY: tl.constexpr, SEL: tl.constexpr,
 ):
     """Two programs per chunk: Aqk (times scale; part 0) or Akk (to the scratch ls; part 1) of the
     whole chunk as [C, C] products level by level, from the cumulative gates of the whole chunk
@@ -393,11 +388,7 @@ def kda_fwd_intra_chunk_kernel(
     middle anchor would make a factor above 2^DIAG_SPAN (gok = 0) take four levels of half-segment
     pairs (16, 8, 4, 2 tokens) and the diagonal instead. SEL (ANY_SPLIT): 1, only the chunks with
     gok == 1; 2, only the others; 0, every chunk. (One program for both matrices held 255
-    registers, 2 blocks per SM.) With GATES (bounded gates, FUSED_GATES) the kernel does the gates
-    kernel's work itself: both programs activate the gates and sum them (each stores the same gc,
-    read back for the anchors and by the later stages), the Akk program stores gl, and the rows'
-    1/|q| (Aqk program) and 1/|k| (Akk program) go to rs. With INVERT (FUSED_INVERSE) the Akk program
-    goes on to the inverse kernel's work on the blocks it stored (xs)."""
+    registers, 2 blocks per SM.)"""
     i_m, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 2)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
@@ -408,29 +399,15 @@ def kda_fwd_intra_chunk_kernel(
     if skip:
         return
     b_A = tl.zeros([C, C], tl.float32)
-    b_ssx = tl.zeros([C], tl.float32)  # GATES: the rows' sums of squares of b_x (q or k) and of k
-    b_ssk = tl.zeros([C], tl.float32)
     for s in range(0, BK, BS):
         o_d = s + tl.arange(0, BS)
-        if GATES:
-            b_g = _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A,
-                             HAS_BIAS)
-            b_G = tl.cumsum(b_g, 0)  # [C, BS] from the chunk start (padding rows repeat the last token's)
-            _put(gc, b_G, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-            if i_m == 1:
-                tl.store(gl + i_p * K + o_d, tl.exp2(tl.sum(b_g, 0)), mask=o_d < K)
-            tl.debug_barrier()  # the levels read the anchors' rows of gc back
-        else:
-            b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)  # [C, BS]
+        b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)  # [C, BS]
         b_L = _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)
         b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d)
         if i_m == 0:
             b_x = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d)
         else:
             b_x = b_k
-        if GATES and L2NORM:
-            b_ssx += tl.sum(b_x * b_x, 1)
-            b_ssk += tl.sum(b_k * b_k, 1)
         if C == 64:
             b_A = _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 64, True, ANY, PREC)
         b_A = _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 32, True, ANY, PREC)
@@ -443,24 +420,12 @@ def kda_fwd_intra_chunk_kernel(
                              ANY, PREC)
             if i_m == 0:  # Aqk's diagonal: factor e^0 = 1
                 b_A += tl.where(o_c[:, None] == o_c[None, :], tl.sum(b_x * b_k, 1)[:, None], 0.0)
-    if GATES:  # 1 / sqrt(|x|^2 + 1e-6) as _rstd; ones without l2norm
-        b_rx = tl.full([C], 1.0, tl.float32)
-        b_rk = tl.full([C], 1.0, tl.float32)
-        if L2NORM:
-            b_rx = tl.rsqrt(b_ssx + 1e-6)
-            b_rk = tl.rsqrt(b_ssk + 1e-6)
-        tl.store(rs + i_m * C + o_c, b_rx)  # 1/|q| (Aqk program) or 1/|k| (Akk program)
-    else:
-        b_rx = tl.load(rs + i_m * C + o_c)
-        b_rk = tl.load(rs + C + o_c)
+    b_rk = tl.load(rs + C + o_c)[None, :]
     if i_m == 0:
-        _put(Aqk, b_A * (b_rx * scale)[:, None] * b_rk[None, :], bos, t0, T_seq, i_hv, HV, C, o_c, o_c)
+        _put(Aqk, b_A * (tl.load(rs + o_c) * scale)[:, None] * b_rk, bos, t0, T_seq, i_hv, HV, C, o_c, o_c)
     else:
-        tl.store(ls + i_p * C * C + o_c[:, None] * C + o_c[None, :], b_A * b_rx[:, None] * b_rk[None, :],
+        tl.store(ls + i_p * C * C + o_c[:, None] * C + o_c[None, :], b_A * tl.load(rs + C + o_c)[:, None] * b_rk,
                  mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16))
-        if INVERT:
-            tl.debug_barrier()  # the inverse reads the blocks back in other threads
-            _invert(beta, ls + i_p * C * C, xs + i_p * C * C, bos, t0, T_seq, i_hv, HV, C, SIGMOID, BETA_SCALE)
 
 
 @triton.jit
@@ -602,13 +567,23 @@ def kda_fwd_intra_kernel(
         _put_blk(ls, b_Akk, 16 * r, 16 * j, C, o_i)
 
 
-@triton.jit
-def _invert(beta, ls, xs, bos, t0, T_seq, i_hv, HV: tl.constexpr, C: tl.constexpr, SIGMOID: tl.constexpr,
-            BETA_SCALE: tl.constexpr):
-    """One chunk's X = (I + Diag(beta) Akk)^-1 from its Akk blocks (ls) to xs, row block by row block
-    (see kda_fwd_inverse_kernel)."""
+@triton.jit(do_not_specialize=["T"])
+def kda_fwd_inverse_kernel(
+    beta, gc, ls, xs, gl, cu_seqlens, chunk_indices, T,
+    HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
+    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, GL: tl.constexpr,
+):
+    """X = (I + L)^-1 with L = Diag(beta) Akk, row block by row block (float32, to the scratch xs):
+    X_rr = (I + L_rr)^-1,  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj.  Then, with GL, the chunk
+    decay gl from the block sums (the whole-chunk path's gates kernel stores it itself)."""
+    _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
     o_i = tl.arange(0, 16)
-    for r in range(C // 16):
+    NC: tl.constexpr = C // 16
+    ls += i_p * C * C
+    xs += i_p * C * C
+    for r in range(NC):
         b_b = _beta(beta, bos, t0 + 16 * r, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)[:, None]
         b_Xrr = _inv_unit_lower(b_b * _blk(ls, 16 * r, 16 * r, C, o_i), o_i)
         _put_blk(xs, b_Xrr, 16 * r, 16 * r, C, o_i)
@@ -618,22 +593,6 @@ def _invert(beta, ls, xs, bos, t0, T_seq, i_hv, HV: tl.constexpr, C: tl.constexp
                 b_acc += _mm(b_b * _blk(ls, 16 * r, 16 * m, C, o_i), _blk(xs, 16 * m, 16 * j, C, o_i))
             _put_blk(xs, -_mm(b_Xrr, b_acc), 16 * r, 16 * j, C, o_i)
         tl.debug_barrier()  # row block r of xs is read back by other threads for the next rows
-
-
-@triton.jit(do_not_specialize=["T"])
-def kda_fwd_inverse_kernel(
-    beta, gc, ls, xs, gl, cu_seqlens, chunk_indices, T,
-    HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, GL: tl.constexpr,
-):
-    """X = (I + L)^-1 with L = Diag(beta) Akk, row block by row block (float32, to the scratch xs):
-    X_rr = (I + L_rr)^-1,  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj.  Then, with GL, the chunk
-    decay gl from the block sums (the whole-chunk path stores it from its gates or intra kernel)."""
-    _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
-    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
-        return
-    NC: tl.constexpr = C // 16
-    _invert(beta, ls + i_p * C * C, xs + i_p * C * C, bos, t0, T_seq, i_hv, HV, C, SIGMOID, BETA_SCALE)
     if GL:
         for s in range(0, BK, BS):
             o_d = s + tl.arange(0, BS)
@@ -695,11 +654,11 @@ def kda_fwd_wu_kernel(
             b_d = tl.exp2(_x(ga, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + b_after)
         _put(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
         _put(kd, b_k * b_d, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-        _put(w, _prod(b_X, b_k * b_b[:, None] * b_e, PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+        _put(w, tl.dot(b_X, b_k * b_b[:, None] * b_e, input_precision=PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
     else:  # u = X (beta v)
         o_d = (i_s - NSK) * BS + tl.arange(0, BS)
         b_y = _tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_d) * b_b[:, None]
-        _put(u, _prod(b_X, b_y, PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
+        _put(u, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
 
 
 class Prepared(NamedTuple):
@@ -734,9 +693,9 @@ def chunk_tables_of(opts, cu_seqlens, cu_host) -> tuple[torch.Tensor | None, tor
     return None, None, opts.shape.B * cdiv(opts.shape.T, opts.chunk_size)
 
 
-def _products(prec: str, dtype: torch.dtype, name: str) -> str:
-    """The products' precision of kernel ``name`` (BF16_PRODUCTS) for inputs of ``dtype``."""
-    if not (BF16_PRODUCTS[name] and dtype == torch.bfloat16):
+def _products(prec: str, dtype: torch.dtype) -> str:
+    """The whole-chunk intra kernel's product precision (BF16_PRODUCTS) for inputs of ``dtype``."""
+    if not (BF16_PRODUCTS and dtype == torch.bfloat16):
         return prec
     return "bf16_emulated" if dot_config(dtype)[2] else "bf16"
 
@@ -806,28 +765,21 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
         # gates, intra and inverse do not see V: their warps follow K alone (V = 2K under context
         # parallelism's fused identity run runs the binaries tuned and tested for V = K); the
         # slice width also stays within V's (16 columns for V <= 16)
-        fused = whole and not any_gate and FUSED_GATES  # the whole-chunk intra kernel does the gates kernel's work
-        invert = whole and FUSED_INVERSE  # and the inverse kernel's
-        if not fused:
-            kda_fwd_gates_kernel[(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
-                q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, H=H, K=K, BK=BK,
-                BS=min(GATES_SLICE_ANY if any_gate else GATES_SLICE, BS), L2NORM=opts.qk_l2norm, WHOLE=whole,
-                ANY=any_gate, **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
+        kda_fwd_gates_kernel[(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
+            q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, H=H, K=K, BK=BK, BS=min(GATES_SLICE_ANY if any_gate else GATES_SLICE, BS), L2NORM=opts.qk_l2norm,
+            WHOLE=whole, ANY=any_gate, **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
         if whole:
             for any_sel, sel in split_launches(any_gate, dt):
                 kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
-                    q, k, g, A_log, dt_bias, beta, gc, gd, gok, gl, rs, Aqk, ls, xs, scale=opts.scale, H=H, K=K, BK=BK,
-                    BS=min(CHUNK_SLICE, BK), PREC=_products(PREC, dt, "chunk"), ANY=any_sel, SEL=sel, GATES=fused,
-                    L2NORM=opts.qk_l2norm, INVERT=invert, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
-                    **gate, **where, **launch_options(LAUNCH, "chunk", BK, BK))
+                    q, k, gc, gd, gok, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=min(CHUNK_SLICE, BK),
+                    PREC=_products(PREC, dt), ANY=any_sel, SEL=sel, **where, **launch_options(LAUNCH, "chunk", BK, BK))
         else:
             kda_fwd_intra_kernel[(NT_total * NC, HV)](
                 q, k, gc, ga, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate, PREC=PREC,
                 **where, **launch_options(LAUNCH, "intra", BK, BK))
-        if not invert:
-            kda_fwd_inverse_kernel[(NT_total, HV)](
-                beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, GL=not whole, SIGMOID=opts.beta_sigmoid,
-                BETA_SCALE=opts.beta_scale, **where, **launch_options(LAUNCH, "inverse", BK, BK))
+        kda_fwd_inverse_kernel[(NT_total, HV)](
+            beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, GL=not whole, SIGMOID=opts.beta_sigmoid,
+            BETA_SCALE=opts.beta_scale, **where, **launch_options(LAUNCH, "inverse", BK, BK))
     return p
 
 
@@ -844,6 +796,6 @@ def fwd_wu(opts, p: Prepared, q, k, v, beta, cu_seqlens) -> Prepared:
         NSK, NSV = cdiv(K, BS), cdiv(V, BS)
         kda_fwd_wu_kernel[(p.NT_total * (NSK + NSV), HV)](
             q, k, v, beta, p.gc, p.ga, p.gd, p.rs, p.xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS, NSK=NSK,
-            NSV=NSV, PREC=_products(dot_config(dt)[1], dt, "wu"), WHOLE=p.ga is None, ANY=p.gd is not None, SIGMOID=opts.beta_sigmoid,
+            NSV=NSV, PREC=dot_config(dt)[1], WHOLE=p.ga is None, ANY=p.gd is not None, SIGMOID=opts.beta_sigmoid,
             BETA_SCALE=opts.beta_scale, **_where(opts, p, cu_seqlens), **launch_options(LAUNCH, "wu", BK, BV))
     return p._replace(w=w, u=u, qg=qg, kd=kd)
