@@ -497,8 +497,9 @@ def kda_fwd_gates_kernel(
     """Block b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
     of its rows (rs). With WHOLE, the whole chunk in one program: gc holds the cumulative sums from
     the chunk start (no ga) and the chunk decay gl is stored too. With ANY (WHOLE for unbounded
-    gates) the sums are kept as float32 (gc) plus their rounding errors (gd, float16; _exact_cumsum), and gok says (bit 0) whether the middle anchor of the chunk's 16-token blocks keeps
-    every exponent within DIAG_SPAN (base 2) and (bit 1) whether its sums reach beyond LO_SPAN."""
+    gates) the sums are kept as float32 (gc) plus their rounding errors (gd, float16; _exact_cumsum),
+    and gok says (bit 0) whether the middle anchor of the chunk's 16-token blocks keeps every
+    exponent within DIAG_SPAN (base 2) and (bit 1) whether its sums reach beyond LO_SPAN."""
     NSUB: tl.constexpr = 1 if WHOLE else C // 16
     b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSUB)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
@@ -766,8 +767,9 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
         # parallelism's fused identity run runs the binaries tuned and tested for V = K); the
         # slice width also stays within V's (16 columns for V <= 16)
         kda_fwd_gates_kernel[(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
-            q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, H=H, K=K, BK=BK, BS=min(GATES_SLICE_ANY if any_gate else GATES_SLICE, BS), L2NORM=opts.qk_l2norm,
-            WHOLE=whole, ANY=any_gate, **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
+            q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, H=H, K=K, BK=BK,
+            BS=min(GATES_SLICE_ANY if any_gate else GATES_SLICE, BS), L2NORM=opts.qk_l2norm, WHOLE=whole,
+            ANY=any_gate, **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
         if whole:
             for any_sel, sel in split_launches(any_gate, dt):
                 kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
