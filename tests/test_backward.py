@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastkda import chunk_kda, use_backend
-from fastkda.testing import Case, make_inputs, reference
+from fastkda.testing import Case, make_inputs, reference, rel_rms
 
 GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
@@ -77,21 +77,29 @@ def test_disable_recompute_same_gradients(backend, name, rng):
 @pytest.mark.parametrize("name", ["bf16_whole", "bf16_whole_softplus", "bf16_whole_varlen"])
 def test_bf16_products(name, rng, monkeypatch):
     """prepare.BF16_PRODUCTS on (the whole-chunk intra kernel's products from bfloat16 operands):
-    the inference output and every gradient of a training step against the float64 reference
-    within bfloat16's budget, and the switch reaches the kernels (the output changes)."""
+    the inference output within bfloat16's budget and within twice the error of tf32 products
+    (measured 1.1x-1.6x on the CPU tier, whose conversion truncates; 1.2x on an H200, B1 T8192
+    H64), every gradient of a training step that runs the kernel against the float64 reference;
+    16-bit float and float32 inputs keep their products."""
     from fastkda.backends.triton import prepare
 
     case = grow(RECOMPUTE_CASES[name], GPU)
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     x = make_inputs(case, device=DEVICE, generator=torch.Generator().manual_seed(seed))
-    outs = []
+    o_ref = reference(x)[0]
+    errors = []
     for on in (False, True):
         monkeypatch.setattr(prepare, "BF16_PRODUCTS", on)
         with use_backend("triton"), torch.no_grad():
-            outs.append(chunk_kda(**x, chunk_size=case.chunk_size)[0])
-    check("o", outs[1], reference(x)[0], tol_for(case.dtype, "triton"))
-    assert not torch.equal(outs[0], outs[1]), "BF16_PRODUCTS changed nothing"
+            o = chunk_kda(**x, chunk_size=case.chunk_size)[0]
+        check(f"o (BF16_PRODUCTS {on})", o, o_ref, tol_for(case.dtype, "triton"))
+        errors.append(rel_rms(o, o_ref))
+    assert errors[1] != errors[0], "BF16_PRODUCTS changed nothing"
+    assert errors[1] <= 2 * errors[0], f"bfloat16 products: error {errors[1]:.3g} against {errors[0]:.3g} with tf32"
+    assert [prepare._chunk_prec(p, dt) for p, dt in (("tf32", torch.float16), ("ieee", torch.float32))] == ["tf32", "ieee"]
+    launches = spy_launches(monkeypatch, prepare, "kda_fwd_intra_chunk_kernel")
     x, got, want = grads("triton", case, torch.Generator().manual_seed(seed))
+    assert launches, "the training step did not take the whole-chunk path"
     check_grads(got, want, x, tol_for(case.dtype, "triton"))
 
 

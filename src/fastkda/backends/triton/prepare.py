@@ -65,7 +65,8 @@ from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tabl
 # (warps, register cap or None) of each launch for K, V <= 128 (tools/sweep_launch.py); beyond,
 # at least 4 warps. "chunk" is the whole-chunk intra kernel (4 warps, 64-column steps: 0.74 ms at
 # B1 T8192 H64 on the H200; 8 warps or 16-, 32-column steps were slower; so was folding the gates
-# kernel's work into it, 1.57 ms against 0.82 + 0.25, or the inverse's, 1.14 against 0.82 + 0.18)
+# kernel's work into it, 1.57 ms against 0.82 + 0.25, or the inverse's, 1.14 against 0.82 + 0.18,
+# timed on a variant of the level factors that took 0.82 ms itself: BENCHMARKS.md)
 # "inverse" at 1 warp and "intra" capped at 128 registers: B1 T8192 H64 on the H200, one training
 # step (0.21 -> 0.18 ms per call; softplus intra 2.83 -> 2.57 ms per call; 2.29 ms since the
 # diagonal blocks' levels, against 4.13 ms at 4 warps without the cap)
@@ -86,9 +87,11 @@ LO_SPAN = tl.constexpr(512.0)
 ANY_SPLIT = True
 CHUNK_SLICE = 64  # feature columns per step of the whole-chunk intra kernel
 WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_launch.py --set)
-# feature columns per step of the gates kernel, bounded and unbounded gates (at K = 128, bfloat16,
-# 4 warps: bounded 76 registers at 32 columns, 64 at 16; unbounded 151 and 90). On an H200, B1 T8192
-# H64: bounded 0.254 ms at 32, 0.301 at 16; unbounded 0.713 at 32, 0.630 at 16
+# feature columns per step of the gates kernel: GATES_SLICE for the block path and bounded gates on
+# the whole-chunk path, GATES_SLICE_ANY for unbounded gates there (exact sums; at K = 128, bfloat16,
+# 4 warps: bounded 76 registers at 32 columns, 64 at 16; unbounded 151 and 90). On an H200, B1
+# T8192 H64: bounded 0.254 ms at 32, 0.301 at 16; unbounded 0.713 at 32, 0.630 at 16. Both at most
+# the launch's BS (SLICE and V's width): larger values change nothing
 GATES_SLICE = 32
 GATES_SLICE_ANY = 16
 # bfloat16 inputs: the whole-chunk intra kernel's products from operands rounded to bfloat16 instead
@@ -459,7 +462,8 @@ def _mm(a, b):
 @triton.jit
 def _prod(a, b, PREC: tl.constexpr):
     """a @ b in float32 from float32 operands: at input precision PREC, or ("bf16") rounded to
-    bfloat16 ("bf16_emulated": the same roundings, float32 products, for the interpreter; common.mma)."""
+    bfloat16; "bf16_emulated" for the interpreter, whose bfloat16 products are wrong (common.mma):
+    operands cut to bfloat16 (its conversion truncates; the GPU rounds to nearest), float32 products."""
     if PREC == "bf16":  # one return: the compiler visits code after a constexpr-if's return
         c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     elif PREC == "bf16_emulated":
@@ -694,7 +698,7 @@ def chunk_tables_of(opts, cu_seqlens, cu_host) -> tuple[torch.Tensor | None, tor
     return None, None, opts.shape.B * cdiv(opts.shape.T, opts.chunk_size)
 
 
-def _products(prec: str, dtype: torch.dtype) -> str:
+def _chunk_prec(prec: str, dtype: torch.dtype) -> str:
     """The whole-chunk intra kernel's product precision (BF16_PRODUCTS) for inputs of ``dtype``."""
     if not (BF16_PRODUCTS and dtype == torch.bfloat16):
         return prec
@@ -774,7 +778,7 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
             for any_sel, sel in split_launches(any_gate, dt):
                 kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
                     q, k, gc, gd, gok, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=min(CHUNK_SLICE, BK),
-                    PREC=_products(PREC, dt), ANY=any_sel, SEL=sel, **where, **launch_options(LAUNCH, "chunk", BK, BK))
+                    PREC=_chunk_prec(PREC, dt), ANY=any_sel, SEL=sel, **where, **launch_options(LAUNCH, "chunk", BK, BK))
         else:
             kda_fwd_intra_kernel[(NT_total * NC, HV)](
                 q, k, gc, ga, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate, PREC=PREC,
