@@ -95,6 +95,16 @@ def spy_launches(monkeypatch, module, *names) -> list:
     return launches
 
 
+def kept_stage1(monkeypatch) -> list:
+    """Wrap the Triton backend's stage-1 entry (function.fwd_intra) so that every ``Prepared`` it
+    returns is appended to the returned list (which path ran, its chunk flags), returned as before."""
+    from fastkda.backends.triton import function, prepare
+
+    kept, fwd_intra = [], prepare.fwd_intra
+    monkeypatch.setattr(function, "fwd_intra", lambda *a, **kw: kept.append(fwd_intra(*a, **kw)) or kept[-1])
+    return kept
+
+
 def tol_for(dtype: torch.dtype, backend: str = "torch") -> float:
     return tolerance(dtype, backend)
 
@@ -103,7 +113,7 @@ def finite(t):
     return t is not None and bool(torch.isfinite(t).all())
 
 
-__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "gate_slope", "gate_input_error", "tol_for", "bounded", "plain_options", "spy_launches", "finite", "forced_gates", "FORMS",
+__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "gate_slope", "gate_input_error", "tol_for", "bounded", "plain_options", "spy_launches", "kept_stage1", "finite", "forced_gates", "FORMS",
            "math"]
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 from conftest import BACKWARD_BACKENDS, DEVICE, GPU
-from helpers import (AXES, FORMS, OPTION_SPACE, bounded, check, check_grads, forced_gates, grow, random_case,
-                     spy_launches, tol_for)
+from helpers import (AXES, FORMS, OPTION_SPACE, bounded, check, check_grads, forced_gates, grow, kept_stage1,
+                     random_case, spy_launches, tol_for)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -96,7 +96,8 @@ def test_bf16_products(name, rng, monkeypatch):
         errors.append(rel_rms(o, o_ref))
     assert errors[1] != errors[0], "BF16_PRODUCTS changed nothing"
     assert errors[1] <= 2 * errors[0], f"bfloat16 products: error {errors[1]:.3g} against {errors[0]:.3g} with tf32"
-    assert [prepare._chunk_prec(p, dt) for p, dt in (("tf32", torch.float16), ("ieee", torch.float32))] == ["tf32", "ieee"]
+    assert [prepare._chunk_prec(p, dt) for p, dt in (("tf32", torch.float16), ("ieee", torch.float32))] == [
+        "tf32", "ieee"]
     launches = spy_launches(monkeypatch, prepare, "kda_fwd_intra_chunk_kernel")
     x, got, want = grads("triton", case, torch.Generator().manual_seed(seed))
     assert launches, "the training step did not take the whole-chunk path"
@@ -256,7 +257,7 @@ def test_whole_chunk_backward_any_gate(axis, split, rng, monkeypatch):
     or the half-segment levels on the diagonal blocks in the forward and in the gate-gradient
     kernel. Every gradient against autograd through the float64 reference. ``split``:
     prepare.ANY_SPLIT (16-bit inputs: the plain chunks in launches of their own)."""
-    from fastkda.backends.triton import bwd_chunk, function, prepare
+    from fastkda.backends.triton import bwd_chunk, prepare
 
     monkeypatch.setattr(prepare, "ANY_SPLIT", split)
     base, layout = WHOLE_ANY_BWD[axis]
@@ -264,8 +265,7 @@ def test_whole_chunk_backward_any_gate(axis, split, rng, monkeypatch):
     if case.dtype != torch.bfloat16:
         monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", True)
     launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_chunk_kernel", "kda_bwd_gate_kernel")
-    kept, fwd_intra = [], prepare.fwd_intra
-    monkeypatch.setattr(function, "fwd_intra", lambda *a, **kw: kept.append(fwd_intra(*a, **kw)) or kept[-1])
+    kept = kept_stage1(monkeypatch)
     x, got, want = grads("triton", case, rng, layout=layout)
     assert launches == ["kda_bwd_gate_chunk_kernel"] * (2 if split and case.dtype != torch.float32 else 1), launches
     if layout:  # both diagonal forms where the layout asks for them (1: middle anchor, 0: levels)

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 from conftest import BACKENDS, DEVICE, GPU
-from helpers import (AXES, OPTION_SPACE, bounded, check, forced_gates, grow, plain_options, random_case, spy_launches,
-                     tol_for)
+from helpers import (AXES, OPTION_SPACE, bounded, check, forced_gates, grow, kept_stage1, plain_options, random_case,
+                     spy_launches, tol_for)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -207,7 +207,7 @@ def test_whole_chunk_any_gate(axis, split, rng, monkeypatch):
     at float32's precision, which differences of plain float32 sums miss at these gates), and the
     block path (prepare.WHOLE_ANY off) on the same inputs. ``split``: prepare.ANY_SPLIT (16-bit
     inputs: the plain chunks in a launch of their own)."""
-    from fastkda.backends.triton import function, prepare
+    from fastkda.backends.triton import prepare
 
     monkeypatch.setattr(prepare, "ANY_SPLIT", split)
     launches = spy_launches(monkeypatch, prepare, "kda_fwd_intra_chunk_kernel")
@@ -215,9 +215,7 @@ def test_whole_chunk_any_gate(axis, split, rng, monkeypatch):
     case = grow(base, GPU)
     x = make_inputs(case, device=DEVICE, generator=rng)
     forms = forced_gates(x, case.chunk_size, layout) if layout else set()
-    kept = []
-    fwd_intra = prepare.fwd_intra
-    monkeypatch.setattr(function, "fwd_intra", lambda *a, **kw: kept.append(fwd_intra(*a, **kw)) or kept[-1])
+    kept = kept_stage1(monkeypatch)
     with use_backend("triton"), torch.no_grad():
         o, s = chunk_kda(**x, chunk_size=case.chunk_size)
         p = kept[-1]
@@ -244,15 +242,13 @@ def test_gates_slice_width(gate, rng, monkeypatch):
     """The gates kernel's slice widths (prepare.GATES_SLICE, GATES_SLICE_ANY) change only the order
     of the rows' sums of squares: 16 and 32 columns both match the reference, and each other far
     closer than that (the whole-chunk path, float32; K = 64 on the CPU tier, 128 on the GPU tier)."""
-    from fastkda.backends.triton import function, prepare
+    from fastkda.backends.triton import prepare
 
     case = Case(T=100, K=64, V=32, gate=gate, l2norm=True, dtype=torch.float32, A_log_range=(0.0, 2.0))
     x = make_inputs(grow(case, GPU), device=DEVICE, generator=rng)
     o_ref, s_ref = reference(x)
     monkeypatch.setattr(prepare, "WHOLE_ANY", True)
-    kept = []
-    fwd_intra = prepare.fwd_intra
-    monkeypatch.setattr(function, "fwd_intra", lambda *a, **kw: kept.append(fwd_intra(*a, **kw)) or kept[-1])
+    kept = kept_stage1(monkeypatch)
     outs = []
     for width in (32, 16):
         monkeypatch.setattr(prepare, "GATES_SLICE", width)

@@ -36,8 +36,8 @@ from .common import (block_lower, cdiv, chunk_program, dot_config, exclusive_cum
                      launch_options, out_alloc, pow2, row_of)
 from .scan import _state_ptrs
 from . import prepare
-from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _put, _tile, _x, chunk_form, level_pairs,
-                      split_launches, split_level)
+from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _put, _tile, _x, chunk_form,
+                      level_pairs, split_launches, split_level)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
 # "v", "k", "gate_chunk" and the two slices below: B1 T8192 H64 safe gate, one training step on the

@@ -54,8 +54,8 @@ def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: b
     """Stage 1 and the scan on contiguous inputs: (stage-1 output, o, final_state, h, v'); see
     ``fwd_scan`` for ``outputs`` and ``keep``. Bounded gates and gates activated in the kernel take
     the whole-chunk path of stage 1 (``prepare.whole_forward``), unless the backward reads it
-    (``train``) and needs the block path's scratches (``bwd_chunk.whole_backward``). ``intra``: the output of ``fwd_intra`` kept from the forward,
-    from which only ``fwd_wu`` and the scan run."""
+    (``train``) and needs the block path's scratches (``bwd_chunk.whole_backward``). ``intra``: the
+    output of ``fwd_intra`` kept from the forward, from which only ``fwd_wu`` and the scan run."""
     if intra is None:
         whole = whole_forward(opts, train, whole_backward(opts, x.q.dtype))
         intra = fwd_intra(opts, x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, x.cu_seqlens_cpu, whole)
