@@ -21,9 +21,9 @@ section 3):
 
     gates    (chunk, head)          gate activation, cumulative sums from the chunk start (``gc``;
                                     unbounded gates: their rounding errors ``gd`` and the form of
-                                    the diagonal blocks ``gok``), the chunk decay (``gl``), the row
-                                    norms (``rs``)
-    intra    (chunk, matrix, head)  Aqk or Akk of the whole chunk, [C, C] products level by level
+                                    the diagonal blocks ``gok``), the chunk decay (``gl``)
+    intra    (chunk, matrix, head)  Aqk or Akk of the whole chunk, [C, C] products level by level,
+                                    and the row norms (``rs``) from the q and k it reads
     inverse  (chunk, head)          X, as above
     wu       (chunk, slice, head)   as above
 
@@ -194,13 +194,22 @@ def _gates(g, A_log, dt_bias, gc, ga, lower_bound, bos, t0, T_seq, i_hv, o_i, HV
 def _rstd(x, bos, t0, T_seq, i_head, NH: tl.constexpr, D: tl.constexpr, o_i, BK: tl.constexpr, BS: tl.constexpr,
           L2NORM: tl.constexpr):
     """Per-row 1 / sqrt(|x|^2 + 1e-6) of the rows t0 + o_i (ones without l2norm)."""
-    if not L2NORM:
-        return tl.full([o_i.shape[0]], 1.0, tl.float32)
     b_ss = tl.zeros([o_i.shape[0]], tl.float32)
-    for s in range(0, BK, BS):
-        b_x = _tile(x, bos, t0, T_seq, i_head, NH, D, o_i, s + tl.arange(0, BS))
-        b_ss += tl.sum(b_x * b_x, 1)
-    return tl.rsqrt(b_ss + 1e-6)
+    if L2NORM:
+        for s in range(0, BK, BS):
+            b_x = _tile(x, bos, t0, T_seq, i_head, NH, D, o_i, s + tl.arange(0, BS))
+            b_ss += tl.sum(b_x * b_x, 1)
+    return _rnorm(b_ss, L2NORM)
+
+
+@triton.jit
+def _rnorm(b_ss, L2NORM: tl.constexpr):
+    """1 / sqrt(b_ss + 1e-6) for squared row norms b_ss (ones without l2norm)."""
+    if L2NORM:
+        b_r = tl.rsqrt(b_ss + 1e-6)
+    else:
+        b_r = tl.full(b_ss.shape, 1.0, tl.float32)
+    return b_r
 
 
 @triton.jit
@@ -381,7 +390,7 @@ def chunk_form(gok, i_p, SEL: tl.constexpr, ANY: tl.constexpr):
 def kda_fwd_intra_chunk_kernel(
     q, k, gc, gd, gok, rs, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, ANY: tl.constexpr, SEL: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, ANY: tl.constexpr, SEL: tl.constexpr, L2NORM: tl.constexpr,
 ):
     """Two programs per chunk: Aqk (times scale; part 0) or Akk (to the scratch ls; part 1) of the
     whole chunk as [C, C] products level by level, from the cumulative gates of the whole chunk
@@ -391,7 +400,8 @@ def kda_fwd_intra_chunk_kernel(
     middle anchor would make a factor above 2^DIAG_SPAN (gok = 0) take four levels of half-segment
     pairs (16, 8, 4, 2 tokens) and the diagonal instead. SEL (ANY_SPLIT): 1, only the chunks with
     gok == 1; 2, only the others; 0, every chunk. (One program for both matrices held 255
-    registers, 2 blocks per SM.)"""
+    registers, 2 blocks per SM.) The row norms of q and k come from the tiles read here (part 0
+    stores them to rs for the w/u kernel and the backward; the gates kernel then reads neither)."""
     i_m, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 2)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
@@ -402,13 +412,17 @@ def kda_fwd_intra_chunk_kernel(
     if skip:
         return
     b_A = tl.zeros([C, C], tl.float32)
+    b_sq = tl.zeros([C], tl.float32)  # squared row norms of q (part 0) and k
+    b_sk = tl.zeros([C], tl.float32)
     for s in range(0, BK, BS):
         o_d = s + tl.arange(0, BS)
         b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)  # [C, BS]
         b_L = _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)
         b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d)
+        b_sk += tl.sum(b_k * b_k, 1)
         if i_m == 0:
             b_x = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d)
+            b_sq += tl.sum(b_x * b_x, 1)
         else:
             b_x = b_k
         if C == 64:
@@ -423,11 +437,14 @@ def kda_fwd_intra_chunk_kernel(
                              ANY, PREC)
             if i_m == 0:  # Aqk's diagonal: factor e^0 = 1
                 b_A += tl.where(o_c[:, None] == o_c[None, :], tl.sum(b_x * b_k, 1)[:, None], 0.0)
-    b_rk = tl.load(rs + C + o_c)[None, :]
+    b_rq = _rnorm(b_sq, L2NORM)  # [C]
+    b_rk = _rnorm(b_sk, L2NORM)
     if i_m == 0:
-        _put(Aqk, b_A * (tl.load(rs + o_c) * scale)[:, None] * b_rk, bos, t0, T_seq, i_hv, HV, C, o_c, o_c)
+        tl.store(rs + o_c, b_rq)
+        tl.store(rs + C + o_c, b_rk)
+        _put(Aqk, b_A * (b_rq * scale)[:, None] * b_rk[None, :], bos, t0, T_seq, i_hv, HV, C, o_c, o_c)
     else:
-        tl.store(ls + i_p * C * C + o_c[:, None] * C + o_c[None, :], b_A * tl.load(rs + C + o_c)[:, None] * b_rk,
+        tl.store(ls + i_p * C * C + o_c[:, None] * C + o_c[None, :], b_A * b_rk[:, None] * b_rk[None, :],
                  mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16))
 
 
@@ -500,7 +517,8 @@ def kda_fwd_gates_kernel(
 ):
     """Block b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
     of its rows (rs). With WHOLE, the whole chunk in one program: gc holds the cumulative sums from
-    the chunk start (no ga) and the chunk decay gl is stored too. With ANY (WHOLE for unbounded
+    the chunk start (no ga), the chunk decay gl is stored too and rs is left to the intra kernel
+    (kda_fwd_intra_chunk_kernel), which reads q and k anyway. With ANY (WHOLE for unbounded
     gates) the sums are kept as float32 (gc) plus their rounding errors (gd, float16; _exact_cumsum),
     and gok says (bit 0) whether the middle anchor of the chunk's 16-token blocks keeps every
     exponent within DIAG_SPAN (base 2) and (bit 1) whether its sums reach beyond LO_SPAN."""
@@ -535,8 +553,6 @@ def kda_fwd_gates_kernel(
         if ANY:
             # bit 0: the middle anchor; bit 1: sums beyond LO_SPAN, whose rounding errors count
             tl.store(gok + i_p, (b_span <= DIAG_SPAN).to(tl.int32) + 2 * (b_low < -LO_SPAN).to(tl.int32))
-        tl.store(rs + o_c, _rstd(q, bos, t0, T_seq, i_h, H, K, o_c, BK, BS, L2NORM))
-        tl.store(rs + C + o_c, _rstd(k, bos, t0, T_seq, i_h, H, K, o_c, BK, BS, L2NORM))
     else:
         tb = t0 + 16 * b
         o_i = tl.arange(0, 16)
@@ -778,7 +794,7 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
             for any_sel, sel in split_launches(any_gate, dt):
                 kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
                     q, k, gc, gd, gok, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=min(CHUNK_SLICE, BK),
-                    PREC=_chunk_prec(PREC, dt), ANY=any_sel, SEL=sel, **where,
+                    PREC=_chunk_prec(PREC, dt), ANY=any_sel, SEL=sel, L2NORM=opts.qk_l2norm, **where,
                     **launch_options(LAUNCH, "chunk", BK, BK))
         else:
             kda_fwd_intra_kernel[(NT_total * NC, HV)](
