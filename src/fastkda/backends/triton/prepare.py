@@ -97,6 +97,8 @@ GATES_SLICE_ANY = 16
 # bfloat16 inputs: the whole-chunk intra kernel's products from operands rounded to bfloat16 instead
 # of tf32. B1 T8192 H64 on an H200: intra 0.739 -> 0.606 ms (softplus 0.783 -> 0.654), forward
 # 2.048 -> 1.916 ms, forward error against float64 3.11e-3 -> 3.69e-3 (fla-core 0.6.0: 4.10e-3).
+# With the row norms summed here too (the gates kernel reading g only: 0.254 -> 0.207 ms) the
+# kernel takes 0.676 ms (tf32: 0.747): forward 1.941 ms, softplus 2.342 (BENCHMARKS.md).
 # (The same for the w/u kernel was slower: 0.45 -> 0.58 ms.) float16 and float32 inputs keep tf32.
 BF16_PRODUCTS = True
 
