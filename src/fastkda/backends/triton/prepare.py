@@ -64,7 +64,7 @@ from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tabl
 
 # (warps, register cap or None) of each launch for K, V <= 128 (tools/sweep_launch.py); beyond,
 # at least 4 warps. "chunk" is the whole-chunk intra kernel (4 warps, 64-column steps: 0.74 ms at
-# B1 T8192 H64 on the H200; 8 warps or 16-, 32-column steps were slower; so was folding the gates
+# B1 T8192 H64 on the H200 with tf32 products, before BF16_PRODUCTS and the row norms; 8 warps or 16-, 32-column steps were slower; so was folding the gates
 # kernel's work into it, 1.57 ms against 0.82 + 0.25, or the inverse's, 1.14 against 0.82 + 0.18,
 # timed on a variant of the level factors that took 0.82 ms itself: BENCHMARKS.md)
 # "inverse" at 1 warp and "intra" capped at 128 registers: B1 T8192 H64 on the H200, one training
@@ -90,16 +90,18 @@ WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_l
 # feature columns per step of the gates kernel: GATES_SLICE for the block path and bounded gates on
 # the whole-chunk path, GATES_SLICE_ANY for unbounded gates there (exact sums; at K = 128, bfloat16,
 # 4 warps: bounded 76 registers at 32 columns, 64 at 16; unbounded 151 and 90). On an H200, B1
-# T8192 H64: bounded 0.254 ms at 32, 0.301 at 16; unbounded 0.713 at 32, 0.630 at 16. Both at most
-# the launch's BS (SLICE and V's width): larger values change nothing
+# T8192 H64: bounded 0.254 ms at 32, 0.301 at 16; unbounded 0.713 at 32, 0.630 at 16 (registers and
+# times of the kernel when it also summed the row norms of q and k). Both at most the launch's BS
+# (SLICE and V's width): larger values change nothing
 GATES_SLICE = 32
 GATES_SLICE_ANY = 16
-# bfloat16 inputs: the whole-chunk intra kernel's products from operands rounded to bfloat16 instead
-# of tf32. B1 T8192 H64 on an H200: intra 0.739 -> 0.606 ms (softplus 0.783 -> 0.654), forward
+# bfloat16 inputs: the whole-chunk intra kernel's level products from operands rounded to bfloat16
+# instead of tf32. B1 T8192 H64 on an H200: intra 0.739 -> 0.606 ms (softplus 0.783 -> 0.654), forward
 # 2.048 -> 1.916 ms, forward error against float64 3.11e-3 -> 3.69e-3 (fla-core 0.6.0: 4.10e-3).
 # With the row norms summed here too (the gates kernel reading g only: 0.254 -> 0.207 ms) the
 # kernel takes 0.676 ms (tf32: 0.747): forward 1.941 ms, softplus 2.342 (BENCHMARKS.md).
-# (The same for the w/u kernel was slower: 0.45 -> 0.58 ms.) float16 and float32 inputs keep tf32.
+# (The same for the w/u kernel was slower: 0.45 -> 0.58 ms.) float16 inputs keep tf32 products,
+# float32 inputs full-precision ones.
 BF16_PRODUCTS = True
 
 
