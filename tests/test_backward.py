@@ -80,7 +80,7 @@ def test_bf16_products(name, rng, monkeypatch):
     the inference output within bfloat16's budget and within twice the error of tf32 products
     (measured 1.1x-1.6x on the CPU tier, whose conversion truncates; 1.2x on an H200, B1 T8192
     H64), every gradient of a training step that runs the kernel against the float64 reference;
-    16-bit float and float32 inputs keep their products."""
+    float16 inputs keep tf32 products, float32 inputs full-precision ones."""
     from fastkda.backends.triton import prepare
 
     case = grow(RECOMPUTE_CASES[name], GPU)

@@ -64,9 +64,10 @@ from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tabl
 
 # (warps, register cap or None) of each launch for K, V <= 128 (tools/sweep_launch.py); beyond,
 # at least 4 warps. "chunk" is the whole-chunk intra kernel (4 warps, 64-column steps: 0.74 ms at
-# B1 T8192 H64 on the H200 with tf32 products, before BF16_PRODUCTS and the row norms; 8 warps or 16-, 32-column steps were slower; so was folding the gates
-# kernel's work into it, 1.57 ms against 0.82 + 0.25, or the inverse's, 1.14 against 0.82 + 0.18,
-# timed on a variant of the level factors that took 0.82 ms itself: BENCHMARKS.md)
+# B1 T8192 H64 on the H200 with tf32 products, before BF16_PRODUCTS and the row norms; 8 warps or
+# 16-, 32-column steps were slower; so was folding the gates kernel's work into it, 1.57 ms against
+# 0.82 + 0.25, or the inverse's, 1.14 against 0.82 + 0.18, timed on a variant of the level factors
+# that took 0.82 ms itself: BENCHMARKS.md)
 # "inverse" at 1 warp and "intra" capped at 128 registers: B1 T8192 H64 on the H200, one training
 # step (0.21 -> 0.18 ms per call; softplus intra 2.83 -> 2.57 ms per call; 2.29 ms since the
 # diagonal blocks' levels, against 4.13 ms at 4 warps without the cap)
