@@ -163,6 +163,41 @@ def test_split_output_default_choice(B, T, H, split):
     assert scan._split(opts, B * -(-T // 64)) is split
 
 
+@pytest.mark.parametrize("B,T,H,bv", [(1, 32768, 16, 32), (1, 8192, 32, 32), (1, 8192, 64, 64), (2, 8192, 32, 64),
+                                      (1, 2048, 96, 64)])
+def test_scan_width_default_choice(B, T, H, bv):
+    """The scan's value columns per program (scan.SCAN_BV, SCAN_BV_NARROW): narrow while wide
+    programs would fill at most half the SMs (an H200's 132 where the device does not say).
+    Shapes only: meta tensors."""
+    from fastkda import platform
+    from fastkda.backends.triton import scan
+
+    t = torch.empty(B, T, H, 128, device="meta", dtype=torch.bfloat16)
+    opts, _ = plain_options(dict(q=t, k=t, v=t, g=t, beta=t[..., 0]))
+    assert platform.sm_count(torch.device("cpu")) == 132
+    assert scan._scan_bv(opts, torch.device("cpu")) == bv
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("bv", [16, 32, 64])
+@pytest.mark.parametrize("axis", ["varlen", "k_ne_v", "state_v_first", "bf16"])
+def test_scan_width(axis, bv, rng, monkeypatch):
+    """The Triton forward at every scan width (value columns per program: one to four programs per
+    head at V = 64) gives the reference's output and final state."""
+    from fastkda.backends.triton import scan
+
+    monkeypatch.setattr(scan, "SCAN_BV", bv)
+    monkeypatch.setattr(scan, "SCAN_BV_NARROW", bv)
+    case = grow(AXES[axis], GPU)
+    case = case.replace(V=64 if case.V == 32 else case.V)
+    x, o, s, _ = run_forward("triton", case, rng)
+    o_ref, s_ref = reference(x)
+    tol = tol_for(case.dtype, "triton")
+    check("o", o, o_ref, tol)
+    if case.final_state:
+        check("final_state", s, s_ref, tol)
+
+
 @pytest.mark.parametrize("axis", ["dense", "varlen", "gva", "k_ne_v", "state_v_first", "chunk32", "bf16", "no_states",
                                   "t_short", "chunk32_varlen_safe"])
 def test_split_output(axis, rng, monkeypatch):

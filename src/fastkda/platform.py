@@ -23,6 +23,7 @@ __all__ = [
     "device_name",
     "resolve_device",
     "capturing",
+    "sm_count",
 ]
 
 
@@ -80,3 +81,15 @@ def resolve_device(dev=None) -> torch.device:
 def capturing(dev: torch.device) -> bool:
     """Whether the current stream of ``dev`` is being captured into a CUDA graph."""
     return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+NOMINAL_SMS = 132  # an H200's: what sm_count answers for devices that do not say (the interpreter's CPU)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(dev: torch.device) -> int:
+    """Streaming multiprocessors of CUDA device ``dev``; NOMINAL_SMS elsewhere, so that launch
+    choices that follow the SM count are the same under the interpreter as on an H200."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).multi_processor_count
+    return NOMINAL_SMS

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import platform
 from ...testing import new_empty
 from .common import cdiv, chunk_program, mma, out_alloc, pow2, scan_stages, sequence_location
 
@@ -26,7 +27,12 @@ from .common import cdiv, chunk_program, mma, out_alloc, pow2, scan_stages, sequ
 SPLIT_MIN_CHUNKS = 64
 SPLIT_MAX_PROGRAMS = 64
 OUT_BV = 64
+# value columns per scan program: SCAN_BV, or SCAN_BV_NARROW when programs that wide would number
+# at most half the SMs (each program is one chain of dependent products: narrower programs shorten
+# each link and fill more SMs). H200, B1 T32768 H16 (32 programs at 64): scan 1.03 -> 0.64 ms at
+# 32; B1 T8192 H64 (128 programs): 0.42 ms at 64, 0.60 at 32; between the two not measured
 SCAN_BV = 64
+SCAN_BV_NARROW = 32
 SCAN_WARPS = 4
 # pipeline stages of the chunk loop for K <= 128 and 16-bit inputs (float32 inputs: at most 2; wider
 # keys run unpipelined on 8 warps, for shared memory): B1 T8192 H64 on the H200, the two calls of
@@ -135,18 +141,21 @@ def kda_fwd_output_kernel(
     tl.store(o + r_t * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
-def _scan_bv(V: int) -> int:
-    """Value columns per scan program."""
-    return min(pow2(V), SCAN_BV)
+def _scan_bv(opts, dev: torch.device) -> int:
+    """Value columns per scan program (SCAN_BV_NARROW while SCAN_BV would leave half the SMs idle)."""
+    s = opts.shape
+    if cdiv(s.V, SCAN_BV) * s.N * s.HV <= platform.sm_count(dev) // 2:
+        return min(pow2(s.V), SCAN_BV_NARROW)
+    return min(pow2(s.V), SCAN_BV)
 
 
 def _split(opts, NT_total: int) -> bool:
     """Whether o leaves the scan: long sequences (chunks per sequence, on average), where the
-    scan's chunk-after-chunk loop dominates."""
+    scan's chunk-after-chunk loop dominates, and few programs (counted SCAN_BV columns wide)."""
     s = opts.shape
     if SPLIT_MIN_CHUNKS is None or opts.return_intermediate_states or s.N == 0:
         return False
-    programs = cdiv(s.V, _scan_bv(s.V)) * s.N * s.HV
+    programs = cdiv(s.V, SCAN_BV) * s.N * s.HV
     return NT_total >= SPLIT_MIN_CHUNKS * s.N and programs <= SPLIT_MAX_PROGRAMS
 
 
@@ -170,7 +179,7 @@ def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep
         lead = (1, p.NT_total) if cu_seqlens is not None else (B, cdiv(T, C))
         h = out_alloc(opts)(*lead, HV, *opts.state_shape, dtype=torch.float32, device=dev)  # use_graph: zero past the chunks
     BK = pow2(K)
-    BV = _scan_bv(V)
+    BV = _scan_bv(opts, dev)
     split = outputs and not keep and _split(opts, p.NT_total)
     o_scan = o
     if split:  # the scan writes h and v' (input dtype), the output kernel o
