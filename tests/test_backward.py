@@ -105,6 +105,38 @@ def test_bf16_products(name, rng, monkeypatch):
 
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("name", ["bf16_whole", "bf16_whole_softplus", "bf16_whole_varlen", "f32"])
+def test_x_bf16(name, rng, monkeypatch):
+    """prepare.X_BF16: in inference, bfloat16 inputs get X in bfloat16 and bfloat16 w/u products;
+    the output within bfloat16's budget and within twice the error of float32 X; training keeps X
+    in float32 (its gradients against the float64 reference); other dtypes keep float32 X."""
+    from fastkda.backends.triton import prepare
+
+    case = grow(RECOMPUTE_CASES[name], GPU)
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    x = make_inputs(case, device=DEVICE, generator=torch.Generator().manual_seed(seed))
+    o_ref = reference(x)[0]
+    kept = kept_stage1(monkeypatch)
+    errors = []
+    for on in (False, True):
+        monkeypatch.setattr(prepare, "X_BF16", on)
+        with use_backend("triton"), torch.no_grad():
+            o = chunk_kda(**x, chunk_size=case.chunk_size)[0]
+        low = on and case.dtype == torch.bfloat16
+        assert kept[-1].xs.dtype == (torch.bfloat16 if low else torch.float32)
+        check(f"o (X_BF16 {on})", o, o_ref, tol_for(case.dtype, "triton"))
+        errors.append(rel_rms(o, o_ref))
+    if case.dtype == torch.bfloat16:
+        assert errors[1] != errors[0], "X_BF16 changed nothing"
+        assert errors[1] <= 2 * errors[0], f"bfloat16 X: error {errors[1]:.3g} against {errors[0]:.3g} in float32"
+    else:
+        assert errors[1] == errors[0]
+    x, got, want = grads("triton", case, torch.Generator().manual_seed(seed))
+    assert kept[-1].xs.dtype == torch.float32, "training took a bfloat16 X"
+    check_grads(got, want, x, tol_for(case.dtype, "triton"))
+
+
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("name,disable_recompute", [*((n, False) for n in RECOMPUTE_CASES),
                                                      ("bf16_whole", True), ("softplus_varlen", True)])
 def test_triton_recompute_launches(name, disable_recompute, rng, monkeypatch):

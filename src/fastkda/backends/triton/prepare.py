@@ -10,7 +10,8 @@ kernel activates or bounds):
                                     the activated gates (``ga``) and the row norms of q and k (``rs``)
     intra    (chunk, block, head)   row block r of Aqk and Akk (diagonal block and the blocks
                                     against earlier ones)
-    inverse  (chunk, head)          X = (I + Diag(beta) Akk)^-1 (float32) and the chunk decay
+    inverse  (chunk, head)          X = (I + Diag(beta) Akk)^-1 (float32; bfloat16 for bfloat16
+                                    inputs in inference, X_BF16) and the chunk decay
     wu       (chunk, slice, head)   one feature slice of w or u; the w slices also write q e^G and
                                     k e^(G_last - G)
 
@@ -72,7 +73,8 @@ from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tabl
 # step (0.21 -> 0.18 ms per call; softplus intra 2.83 -> 2.57 ms per call; 2.29 ms since the
 # diagonal blocks' levels, against 4.13 ms at 4 warps without the cap)
 WHOLE_ANY = True  # gates activated in the kernel, unbounded, take the whole-chunk path (whole_forward)
-LAUNCH = {"gates": (4, None), "intra": (2, 128), "chunk": (4, None), "inverse": (1, None), "wu": (8, None)}
+LAUNCH = {"gates": (4, None), "intra": (2, 128), "chunk": (4, None), "inverse": (1, None), "wu": (8, None),
+          "wu_x16": (4, None)}
 SLICE = 32  # feature columns per tile
 # unbounded gates on the whole-chunk path: the middle anchor of a chunk's diagonal 16-token blocks
 # while every factor it makes stays below 2^DIAG_SPAN (float32 overflows at 2^128; the operands
@@ -104,6 +106,13 @@ GATES_SLICE_ANY = 16
 # (The same for the w/u kernel was slower: 0.45 -> 0.58 ms.) float16 inputs keep tf32 products,
 # float32 inputs full-precision ones.
 BF16_PRODUCTS = True
+# bfloat16 inputs in inference: the inverse X leaves the inverse kernel as bfloat16 (the backward
+# keeps float32) and the w/u kernel multiplies bfloat16 operands (X_LOW), WU_SLICE_X16 columns per
+# program on LAUNCH["wu_x16"]. B1 T8192 H64 on an H200: w/u 0.454 -> 0.337 ms (32 columns on 8
+# warps: 0.401; 64 on 8: 0.388), inverse 0.181 -> 0.199 ms, forward 1.931 -> 1.838 ms, error
+# against float64 3.69e-3 -> 3.99e-3 (fla-core 0.6.0, which keeps its inverse in bfloat16: 4.10e-3)
+X_BF16 = True
+WU_SLICE_X16 = 64
 
 
 @triton.jit
@@ -454,8 +463,8 @@ def kda_fwd_intra_chunk_kernel(
 
 @triton.jit
 def _blk(x, row, col, C: tl.constexpr, o_i):
-    """The [16, 16] block at rows row.., columns col.. of this program's [C, C] float32 scratch."""
-    return tl.load(x + (row + o_i)[:, None] * C + col + o_i[None, :])
+    """The [16, 16] block at rows row.., columns col.. of this program's [C, C] scratch, as float32."""
+    return tl.load(x + (row + o_i)[:, None] * C + col + o_i[None, :]).to(tl.float32)
 
 
 @triton.jit
@@ -642,14 +651,15 @@ def kda_fwd_wu_kernel(
     q, k, v, beta, gc, ga, gd, rs, xs, w, u, qg, kd, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BS: tl.constexpr,
     NSK: tl.constexpr, NSV: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr, WHOLE: tl.constexpr, ANY: tl.constexpr,
+    PREC: tl.constexpr, WHOLE: tl.constexpr, ANY: tl.constexpr, X_LOW: tl.constexpr, EMU: tl.constexpr,
 ):
     """Feature slice i_s of the chunk's w (the first NSK slices) or u (the rest, NSV), the whole
     chunk as one [C, C] x [C, BS] product (0.50 ms at B1 T8192 H64 on the H200, 8 warps; row block
     by row block, [16, 16] x [16, BS] products, took 0.71 ms). The w slices also store their slice
     of q e^G and k e^(G_last - G). With WHOLE (the whole-chunk path) gc holds cumulative gates from
     the chunk start; otherwise block-local ones, and the exponents are sums of block sums and of the
-    activated gates ga (never differences of long sums)."""
+    activated gates ga (never differences of long sums). With X_LOW, X comes as bfloat16 and both
+    products take bfloat16 operands (EMU: the interpreter's emulation, common.mma)."""
     i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK + NSV)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
@@ -659,6 +669,8 @@ def kda_fwd_wu_kernel(
     xs += i_p * C * C
     o_c = tl.arange(0, C)
     b_X = block_lower(xs, o_c, C)  # X is block lower triangular
+    if X_LOW:
+        b_X = mma(b_X, tl.bfloat16, EMU)
     b_b = _beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)  # [C]
     if i_s < NSK:  # w = X (beta k e^G)
         o_d = i_s * BS + tl.arange(0, BS)
@@ -679,10 +691,15 @@ def kda_fwd_wu_kernel(
             b_d = tl.exp2(_x(ga, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + b_after)
         _put(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
         _put(kd, b_k * b_d, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-        _put(w, tl.dot(b_X, b_k * b_b[:, None] * b_e, input_precision=PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+        b_y = b_k * b_b[:, None] * b_e
+        if X_LOW:
+            b_y = mma(b_y, tl.bfloat16, EMU)
+        _put(w, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
     else:  # u = X (beta v)
         o_d = (i_s - NSK) * BS + tl.arange(0, BS)
         b_y = _tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_d) * b_b[:, None]
+        if X_LOW:
+            b_y = mma(b_y, tl.bfloat16, EMU)
         _put(u, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
 
 
@@ -747,10 +764,11 @@ def whole_forward(opts, train: bool, whole_bwd: bool) -> bool:
     return whole_gates(opts) and (not train or whole_bwd)
 
 
-def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=False) -> Prepared:
+def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=False, train=False) -> Prepared:
     """Launch stage 1. ``whole`` (whole_forward) takes the whole-chunk path: ``gc`` then holds
-    cumulative gates from the chunk start and ``ga`` is None (the backward's kernels follow)."""
-    p = fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole)
+    cumulative gates from the chunk start and ``ga`` is None (the backward's kernels follow);
+    ``train`` as for ``fwd_intra``."""
+    p = fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole, train)
     return fwd_wu(opts, p, q, k, v, beta, cu_seqlens)
 
 
@@ -759,10 +777,11 @@ def _where(opts, p: Prepared, cu_seqlens) -> dict:
                 C=opts.chunk_size, IS_VARLEN=cu_seqlens is not None)
 
 
-def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=False) -> Prepared:
+def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=False, train=True) -> Prepared:
     """Stage 1 up to the inverse (gates, intra, inverse): a ``Prepared`` without w, u, qg, kd
     (None), which ``fwd_wu`` adds. What the training forward keeps for the backward (the part of
-    stage 1 that is not cheap to recompute)."""
+    stage 1 that is not cheap to recompute). Without ``train``, X is bfloat16 for bfloat16 inputs
+    (X_BF16); the backward reads it as float32."""
     s, C = opts.shape, opts.chunk_size
     B, T, H, HV, K = s.B, s.T, s.H, s.HV, s.K
     if whole and not opts.safe_gate and opts.gate == GateMode.PREGATED:
@@ -775,7 +794,8 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=Fa
     gc = new_empty(B, T, HV, K, dtype=torch.float32, device=dev)  # cumulative gates (block-local unless whole)
     ga = None if whole else new_empty(B, T, HV, K, dtype=torch.float32, device=dev)  # activated gates
     ls = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # Akk, lower blocks
-    xs = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # (I + L)^-1, lower blocks
+    x_dtype = torch.bfloat16 if X_BF16 and not train and dt == torch.bfloat16 else torch.float32
+    xs = new_empty(NT_total, HV, C, C, dtype=x_dtype, device=dev)  # (I + L)^-1, lower blocks
     rs = new_empty(NT_total, HV, 2, C, dtype=torch.float32, device=dev)  # 1/|q|, 1/|k| of every row
     gd = new_empty(B, T, HV, K, dtype=torch.float16, device=dev) if any_gate else None  # gc's rounding errors
     gok = new_empty(NT_total, HV, dtype=torch.int32, device=dev) if any_gate else None
@@ -819,10 +839,12 @@ def fwd_wu(opts, p: Prepared, q, k, v, beta, cu_seqlens) -> Prepared:
     u = new_empty(B, T, HV, V, dtype=dt, device=dev)
     if p.NT_total > 0:
         BK, BV = pow2(K), pow2(V)
-        BS = min(WU_SLICE, BK, BV)
+        low = p.xs.dtype != torch.float32  # X_BF16
+        BS = min(WU_SLICE_X16 if low else WU_SLICE, BK, BV)
         NSK, NSV = cdiv(K, BS), cdiv(V, BS)
         kda_fwd_wu_kernel[(p.NT_total * (NSK + NSV), HV)](
             q, k, v, beta, p.gc, p.ga, p.gd, p.rs, p.xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS, NSK=NSK,
-            NSV=NSV, PREC=dot_config(dt)[1], WHOLE=p.ga is None, ANY=p.gd is not None, SIGMOID=opts.beta_sigmoid,
-            BETA_SCALE=opts.beta_scale, **_where(opts, p, cu_seqlens), **launch_options(LAUNCH, "wu", BK, BV))
+            NSV=NSV, PREC=dot_config(dt)[1], WHOLE=p.ga is None, ANY=p.gd is not None, X_LOW=low,
+            EMU=dot_config(dt)[2], SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
+            **_where(opts, p, cu_seqlens), **launch_options(LAUNCH, "wu_x16" if low else "wu", BK, BV))
     return p._replace(w=w, u=u, qg=qg, kd=kd)
