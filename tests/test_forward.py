@@ -176,6 +176,9 @@ def test_scan_width_default_choice(B, T, H, bv):
     opts, _ = plain_options(dict(q=t, k=t, v=t, g=t, beta=t[..., 0]))
     assert platform.sm_count(torch.device("cpu")) == 132
     assert scan._scan_bv(opts, torch.device("cpu")) == bv
+    wide = torch.empty(B, T, H, 256, device="meta", dtype=torch.bfloat16)  # keys beyond 128: 64 columns
+    opts, _ = plain_options(dict(q=wide, k=wide, v=t, g=wide, beta=t[..., 0]))
+    assert scan._scan_bv(opts, torch.device("cpu")) == 64
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")

@@ -142,8 +142,13 @@ def kda_fwd_output_kernel(
 
 
 def _scan_bv(opts, dev: torch.device) -> int:
-    """Value columns per scan program (SCAN_BV_NARROW while SCAN_BV would leave half the SMs idle)."""
+    """Value columns per scan program (SCAN_BV_NARROW while SCAN_BV would leave half the SMs idle).
+    Keys wider than 128 keep 64 columns: at K = 256 with 16-bit inputs (8 warps, one stage), 32
+    columns per program over more than one program per head gave wrong states on an H200 (Triton
+    3.6; 16 and 64 columns right, float32 right at all three)."""
     s = opts.shape
+    if s.K > 128:
+        return min(pow2(s.V), 64)
     if cdiv(s.V, SCAN_BV) * s.N * s.HV <= platform.sm_count(dev) // 2:
         return min(pow2(s.V), SCAN_BV_NARROW)
     return min(pow2(s.V), SCAN_BV)
