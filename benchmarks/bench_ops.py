@@ -216,8 +216,10 @@ def breakdown(name="B1 T8192 H64"):
         rows.append({"stage": "prepare", "ms": ms})
         print(f"{name}: prepare (4 launches): {ms:.3f} ms", flush=True)
         sargs = (opts, out, None, None, inp.v.dtype, *common.dot_config(inp.q.dtype))
+        kept = scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS, scan.SCAN_STAGES
         for bv, warps, stages in ((64, 8, 2), (64, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 3), (128, 8, 2)):
-            scan.SCAN_BV, scan.SCAN_WARPS, scan.SCAN_STAGES = bv, warps, stages
+            # both widths: the scan takes SCAN_BV_NARROW for shapes of few programs
+            scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS, scan.SCAN_STAGES = bv, bv, warps, stages
             try:
                 scan.fwd_scan(*sargs)
                 ms = tt.do_bench(lambda: scan.fwd_scan(*sargs), warmup=25, rep=100, return_mode="median")
@@ -226,7 +228,7 @@ def breakdown(name="B1 T8192 H64"):
                 continue
             rows.append({"stage": "scan", "BV": bv, "warps": warps, "stages": stages, "ms": ms})
             print(f"{name}: scan BV={bv} warps={warps} stages={stages}: {ms:.3f} ms", flush=True)
-        scan.SCAN_BV, scan.SCAN_WARPS, scan.SCAN_STAGES = 64, 4, 2
+        scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS, scan.SCAN_STAGES = kept
     return rows
 
 
