@@ -163,21 +163,27 @@ def test_split_output_default_choice(B, T, H, split):
     assert scan._split(opts, B * -(-T // 64)) is split
 
 
-@pytest.mark.parametrize("B,T,H,bv", [(1, 32768, 16, 32), (1, 8192, 32, 32), (1, 8192, 64, 64), (2, 8192, 32, 64),
-                                      (1, 2048, 96, 64)])
-def test_scan_width_default_choice(B, T, H, bv):
+@pytest.mark.parametrize("B,T,H,HV,bv", [(1, 32768, 16, 16, 32), (1, 8192, 32, 32, 32), (1, 8192, 64, 64, 64),
+                                         (2, 8192, 32, 32, 64), (1, 2048, 96, 96, 64), (1, 1024, 33, 33, 32),
+                                         (1, 1024, 34, 34, 64), (1, 1024, 2, 64, 64), (1, 1024, 8, 32, 32)])
+def test_scan_width_default_choice(B, T, H, HV, bv, monkeypatch):
     """The scan's value columns per program (scan.SCAN_BV, SCAN_BV_NARROW): narrow while wide
-    programs would fill at most half the SMs (an H200's 132 where the device does not say).
-    Shapes only: meta tensors."""
+    programs (sequences x value heads x V / 64) would fill at most half the SMs (an H200's 132 where
+    the device does not say: 66 programs narrow, 68 wide), following the SM count; keys wider than
+    128 keep 64 columns. Shapes only: meta tensors."""
     from fastkda import platform
     from fastkda.backends.triton import scan
 
     t = torch.empty(B, T, H, 128, device="meta", dtype=torch.bfloat16)
-    opts, _ = plain_options(dict(q=t, k=t, v=t, g=t, beta=t[..., 0]))
+    tv = torch.empty(B, T, HV, 128, device="meta", dtype=torch.bfloat16)
+    opts, _ = plain_options(dict(q=t, k=t, v=tv, g=tv, beta=tv[..., 0]))
     assert platform.sm_count(torch.device("cpu")) == 132
     assert scan._scan_bv(opts, torch.device("cpu")) == bv
-    wide = torch.empty(B, T, H, 256, device="meta", dtype=torch.bfloat16)  # keys beyond 128: 64 columns
-    opts, _ = plain_options(dict(q=wide, k=wide, v=t, g=wide, beta=t[..., 0]))
+    monkeypatch.setattr(platform, "sm_count", lambda dev: 4 * 132)  # four times the SMs: wide programs now too few
+    assert scan._scan_bv(opts, torch.device("cpu")) == (32 if B * HV * 2 <= 264 else 64)
+    monkeypatch.undo()
+    wide = torch.empty(B, T, H, 256, device="meta", dtype=torch.bfloat16)
+    opts, _ = plain_options(dict(q=wide, k=wide, v=tv, g=torch.empty(B, T, HV, 256, device="meta"), beta=tv[..., 0]))
     assert scan._scan_bv(opts, torch.device("cpu")) == 64
 
 
@@ -185,15 +191,25 @@ def test_scan_width_default_choice(B, T, H, bv):
 @pytest.mark.parametrize("bv", [16, 32, 64])
 @pytest.mark.parametrize("axis", ["varlen", "k_ne_v", "state_v_first", "bf16"])
 def test_scan_width(axis, bv, rng, monkeypatch):
-    """The Triton forward at every scan width (value columns per program: one to four programs per
-    head at V = 64) gives the reference's output and final state."""
+    """The Triton forward at every scan width (value columns per program: V / bv programs per head,
+    V = 64 on the CPU tier, 64 or 128 on the GPU tier) gives the reference's output and final
+    state; the launch took that width."""
     from fastkda.backends.triton import scan
 
     monkeypatch.setattr(scan, "SCAN_BV", bv)
     monkeypatch.setattr(scan, "SCAN_BV_NARROW", bv)
+    kernel, grids = scan.kda_fwd_scan_kernel, []
+
+    class Spy:  # the grid of every scan launch: (V / bv programs, sequences x value heads)
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(scan, "kda_fwd_scan_kernel", Spy())
     case = grow(AXES[axis], GPU)
     case = case.replace(V=64 if case.V == 32 else case.V)
     x, o, s, _ = run_forward("triton", case, rng)
+    assert grids and all(g[0] == -(-case.V // bv) for g in grids), grids
     o_ref, s_ref = reference(x)
     tol = tol_for(case.dtype, "triton")
     check("o", o, o_ref, tol)

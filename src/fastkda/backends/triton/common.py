@@ -116,8 +116,8 @@ def chunk_program(cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexp
 
 @triton.jit
 def block_lower(x, o_c, C: tl.constexpr):
-    """A chunk's [C, C] float32 scratch of 16 x 16 blocks, the blocks on and below the diagonal (the
-    ones above are never written) and zeros above."""
+    """A chunk's [C, C] scratch of 16 x 16 blocks (in its own dtype), the blocks on and below the
+    diagonal (the ones above are never written) and zeros above."""
     return tl.load(x + o_c[:, None] * C + o_c[None, :], mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16), other=0.0)
 
 

@@ -63,7 +63,8 @@ from ...testing import new_empty
 from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tables, chunk_tables_static, dot_config,
                      gate_launch, launch_options, mma, pow2, row_of)
 
-# (warps, register cap or None) of each launch for K, V <= 128 (tools/sweep_launch.py); beyond,
+# (warps, register cap or None) of each launch for K, V <= 128 (tools/sweep_launch.py, which times
+# training steps; "wu_x16", an inference launch, from forward timings: X_BF16 below); beyond,
 # at least 4 warps. "chunk" is the whole-chunk intra kernel (4 warps, 64-column steps: 0.74 ms at
 # B1 T8192 H64 on the H200 with tf32 products, before BF16_PRODUCTS and the row norms; 8 warps or
 # 16-, 32-column steps were slower; so was folding the gates kernel's work into it, 1.57 ms against
@@ -103,8 +104,9 @@ GATES_SLICE_ANY = 16
 # 2.048 -> 1.916 ms, forward error against float64 3.11e-3 -> 3.69e-3 (fla-core 0.6.0: 4.10e-3).
 # With the row norms summed here too (the gates kernel reading g only: 0.254 -> 0.207 ms) the
 # kernel takes 0.676 ms (tf32: 0.747): forward 1.941 ms, softplus 2.342 (BENCHMARKS.md).
-# (The same for the w/u kernel was slower: 0.45 -> 0.58 ms.) float16 inputs keep tf32 products,
-# float32 inputs full-precision ones.
+# (The same for the w/u kernel with X in float32, rounded in registers, 32 columns on 8 warps, was
+# slower: 0.45 -> 0.58 ms; X stored in bfloat16 is X_BF16 below.) float16 inputs keep tf32
+# products, float32 inputs full-precision ones.
 BF16_PRODUCTS = True
 # bfloat16 inputs in inference: the inverse X leaves the inverse kernel as bfloat16 (the backward
 # keeps float32) and the w/u kernel multiplies bfloat16 operands (X_LOW), WU_SLICE_X16 columns per
@@ -469,7 +471,7 @@ def _blk(x, row, col, C: tl.constexpr, o_i):
 
 @triton.jit
 def _put_blk(x, b_x, row, col, C: tl.constexpr, o_i):
-    tl.store(x + (row + o_i)[:, None] * C + col + o_i[None, :], b_x)
+    tl.store(x + (row + o_i)[:, None] * C + col + o_i[None, :], b_x.to(x.dtype.element_ty))
 
 
 @triton.jit
@@ -607,7 +609,8 @@ def kda_fwd_inverse_kernel(
     HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
     SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, GL: tl.constexpr,
 ):
-    """X = (I + L)^-1 with L = Diag(beta) Akk, row block by row block (float32, to the scratch xs):
+    """X = (I + L)^-1 with L = Diag(beta) Akk, row block by row block (float32, to the scratch xs,
+    which holds bfloat16 under X_BF16; later row blocks read earlier ones back from it):
     X_rr = (I + L_rr)^-1,  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj.  Then, with GL, the chunk
     decay gl from the block sums (the whole-chunk path's gates kernel stores it itself)."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
@@ -705,7 +708,7 @@ def kda_fwd_wu_kernel(
 
 class Prepared(NamedTuple):
     """What stage 1 leaves for the scan and for the backward: the tensors of the module docstring,
-    its float32 scratches and the chunk tables."""
+    its scratches (float32; xs bfloat16 in inference under X_BF16) and the chunk tables."""
 
     w: torch.Tensor
     u: torch.Tensor
@@ -716,7 +719,7 @@ class Prepared(NamedTuple):
     gc: torch.Tensor  # cumulative gates, base 2 (block-local; from the chunk start in the whole-chunk path)
     ga: torch.Tensor | None  # activated gates, base 2 (None in the whole-chunk path)   [B, T, HV, K]
     ls: torch.Tensor  # Akk, lower blocks                              [NT, HV, C, C]
-    xs: torch.Tensor  # X = (I + Diag(beta) Akk)^-1, lower blocks      [NT, HV, C, C]
+    xs: torch.Tensor  # X = (I + Diag(beta) Akk)^-1, lower blocks      [NT, HV, C, C] (float32; X_BF16)
     rs: torch.Tensor  # 1/|q|, 1/|k| of every row                      [NT, HV, 2, C]
     chunk_indices: torch.Tensor | None
     chunk_offsets: torch.Tensor | None
@@ -777,11 +780,11 @@ def _where(opts, p: Prepared, cu_seqlens) -> dict:
                 C=opts.chunk_size, IS_VARLEN=cu_seqlens is not None)
 
 
-def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole=False, train=True) -> Prepared:
+def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole, train) -> Prepared:
     """Stage 1 up to the inverse (gates, intra, inverse): a ``Prepared`` without w, u, qg, kd
     (None), which ``fwd_wu`` adds. What the training forward keeps for the backward (the part of
-    stage 1 that is not cheap to recompute). Without ``train``, X is bfloat16 for bfloat16 inputs
-    (X_BF16); the backward reads it as float32."""
+    stage 1 that is not cheap to recompute). Without ``train`` (inference), X is bfloat16 for
+    bfloat16 inputs (X_BF16); the backward needs float32 X (``train``)."""
     s, C = opts.shape, opts.chunk_size
     B, T, H, HV, K = s.B, s.T, s.H, s.HV, s.K
     if whole and not opts.safe_gate and opts.gate == GateMode.PREGATED:

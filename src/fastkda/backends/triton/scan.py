@@ -33,6 +33,7 @@ OUT_BV = 64
 # 32; B1 T8192 H64 (128 programs): 0.42 ms at 64, 0.60 at 32; between the two not measured
 SCAN_BV = 64
 SCAN_BV_NARROW = 32
+SCAN_BV_WIDE_KEYS = 64  # keys wider than 128, whatever the program count (_scan_bv)
 SCAN_WARPS = 4
 # pipeline stages of the chunk loop for K <= 128 and 16-bit inputs (float32 inputs: at most 2; wider
 # keys run unpipelined on 8 warps, for shared memory): B1 T8192 H64 on the H200, the two calls of
@@ -143,12 +144,12 @@ def kda_fwd_output_kernel(
 
 def _scan_bv(opts, dev: torch.device) -> int:
     """Value columns per scan program (SCAN_BV_NARROW while SCAN_BV would leave half the SMs idle).
-    Keys wider than 128 keep 64 columns: at K = 256 with 16-bit inputs (8 warps, one stage), 32
+    Keys wider than 128 take SCAN_BV_WIDE_KEYS: at K = 256 with 16-bit inputs (8 warps, one stage), 32
     columns per program over more than one program per head gave wrong states on an H200 (Triton
     3.6; 16 and 64 columns right, float32 right at all three)."""
     s = opts.shape
     if s.K > 128:
-        return min(pow2(s.V), 64)
+        return min(pow2(s.V), SCAN_BV_WIDE_KEYS)
     if cdiv(s.V, SCAN_BV) * s.N * s.HV <= platform.sm_count(dev) // 2:
         return min(pow2(s.V), SCAN_BV_NARROW)
     return min(pow2(s.V), SCAN_BV)
