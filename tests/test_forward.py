@@ -193,7 +193,8 @@ def test_scan_width_default_choice(B, T, H, HV, bv, monkeypatch):
 def test_scan_width(axis, bv, rng, monkeypatch):
     """The Triton forward at every scan width (value columns per program: V / bv programs per head,
     V = 64 on the CPU tier, 64 or 128 on the GPU tier) gives the reference's output and final
-    state; the launch took that width."""
+    state, and with return_intermediate_states the states at chunk starts; the launch took that
+    width."""
     from fastkda.backends.triton import scan
 
     monkeypatch.setattr(scan, "SCAN_BV", bv)
@@ -209,12 +210,16 @@ def test_scan_width(axis, bv, rng, monkeypatch):
     case = grow(AXES[axis], GPU)
     case = case.replace(V=64 if case.V == 32 else case.V)
     x, o, s, _ = run_forward("triton", case, rng)
-    assert grids and all(g[0] == -(-case.V // bv) for g in grids), grids
-    o_ref, s_ref = reference(x)
+    o_ref, s_ref, h_ref = reference(x, chunked=True, chunk_size=case.chunk_size, return_intermediate_states=True)
     tol = tol_for(case.dtype, "triton")
     check("o", o, o_ref, tol)
     if case.final_state:
         check("final_state", s, s_ref, tol)
+    with use_backend("triton"), torch.inference_mode():
+        o, _, h = chunk_kda(**x, chunk_size=case.chunk_size, return_intermediate_states=True)
+    check("o (with h)", o, o_ref, tol)
+    check("h", h, h_ref, tol)
+    assert grids and all(g[0] == -(-case.V // bv) for g in grids), grids
 
 
 @pytest.mark.parametrize("axis", ["dense", "varlen", "gva", "k_ne_v", "state_v_first", "chunk32", "bf16", "no_states",
