@@ -79,16 +79,16 @@ def bounded(case):
     return case.replace(gate=gate, lower_bound=max(case.lower_bound, -5.0))
 
 
-def spy_launches(monkeypatch, module, *names) -> list:
-    """Wrap the kernels ``names`` of ``module`` so that every launch appends its kernel's name to the
-    returned list (which path ran), then launches it as before."""
+def spy_launches(monkeypatch, module, *names, grids: bool = False) -> list:
+    """Wrap the kernels ``names`` of ``module`` so that every launch appends its kernel's name (with
+    ``grids``, its grid) to the returned list (which path ran, how wide), then launches it as before."""
     launches = []
     for name in names:
         kernel = getattr(module, name)
 
         class Spy:
             def __getitem__(self, grid, name=name, kernel=kernel):
-                launches.append(name)
+                launches.append(grid if grids else name)
                 return kernel[grid]
 
         monkeypatch.setattr(module, name, Spy())

@@ -199,14 +199,7 @@ def test_scan_width(axis, bv, rng, monkeypatch):
 
     monkeypatch.setattr(scan, "SCAN_BV", bv)
     monkeypatch.setattr(scan, "SCAN_BV_NARROW", bv)
-    kernel, grids = scan.kda_fwd_scan_kernel, []
-
-    class Spy:  # the grid of every scan launch: (V / bv programs, sequences x value heads)
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(scan, "kda_fwd_scan_kernel", Spy())
+    grids = spy_launches(monkeypatch, scan, "kda_fwd_scan_kernel", grids=True)  # (V / bv, sequences x value heads)
     case = grow(AXES[axis], GPU)
     case = case.replace(V=64 if case.V == 32 else case.V)
     x, o, s, _ = run_forward("triton", case, rng)

@@ -109,7 +109,7 @@ GATES_SLICE_ANY = 16
 # products, float32 inputs full-precision ones.
 BF16_PRODUCTS = True
 # bfloat16 inputs in inference: the inverse X leaves the inverse kernel as bfloat16 (the backward
-# keeps float32) and the w/u kernel multiplies bfloat16 operands (X_LOW), WU_SLICE_X16 columns per
+# keeps float32) and the w/u kernel multiplies bfloat16 operands (_prod, "bf16"), WU_SLICE_X16 columns per
 # program on LAUNCH["wu_x16"]. B1 T8192 H64 on an H200: w/u 0.454 -> 0.337 ms (32 columns on 8
 # warps: 0.401; 64 on 8: 0.388), inverse 0.181 -> 0.199 ms, forward 1.931 -> 1.838 ms, error
 # against float64 3.69e-3 -> 3.99e-3 (fla-core 0.6.0, which keeps its inverse in bfloat16: 4.10e-3)
@@ -494,8 +494,9 @@ def _mm(a, b):
 @triton.jit
 def _prod(a, b, PREC: tl.constexpr):
     """a @ b in float32 from float32 operands: at input precision PREC, or ("bf16") rounded to
-    bfloat16; "bf16_emulated" for the interpreter, whose bfloat16 products are wrong (common.mma):
-    operands cut to bfloat16 (its conversion truncates; the GPU rounds to nearest), float32 products."""
+    bfloat16 (operands already bfloat16, like the w/u kernel's X under X_BF16, stay as they are);
+    "bf16_emulated" for the interpreter, whose bfloat16 products are wrong (common.mma): operands
+    cut to bfloat16 (its conversion truncates; the GPU rounds to nearest), float32 products."""
     if PREC == "bf16":  # one return: the compiler visits code after a constexpr-if's return
         c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     elif PREC == "bf16_emulated":
@@ -654,15 +655,15 @@ def kda_fwd_wu_kernel(
     q, k, v, beta, gc, ga, gd, rs, xs, w, u, qg, kd, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BS: tl.constexpr,
     NSK: tl.constexpr, NSV: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr, WHOLE: tl.constexpr, ANY: tl.constexpr, X_LOW: tl.constexpr, EMU: tl.constexpr,
+    PREC: tl.constexpr, WHOLE: tl.constexpr, ANY: tl.constexpr,
 ):
     """Feature slice i_s of the chunk's w (the first NSK slices) or u (the rest, NSV), the whole
     chunk as one [C, C] x [C, BS] product (0.50 ms at B1 T8192 H64 on the H200, 8 warps; row block
     by row block, [16, 16] x [16, BS] products, took 0.71 ms). The w slices also store their slice
     of q e^G and k e^(G_last - G). With WHOLE (the whole-chunk path) gc holds cumulative gates from
     the chunk start; otherwise block-local ones, and the exponents are sums of block sums and of the
-    activated gates ga (never differences of long sums). With X_LOW, X comes as bfloat16 and both
-    products take bfloat16 operands (EMU: the interpreter's emulation, common.mma)."""
+    activated gates ga (never differences of long sums). PREC as _prod's ("bf16" with X stored as
+    bfloat16, X_BF16)."""
     i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK + NSV)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
@@ -672,8 +673,6 @@ def kda_fwd_wu_kernel(
     xs += i_p * C * C
     o_c = tl.arange(0, C)
     b_X = block_lower(xs, o_c, C)  # X is block lower triangular
-    if X_LOW:
-        b_X = mma(b_X, tl.bfloat16, EMU)
     b_b = _beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)  # [C]
     if i_s < NSK:  # w = X (beta k e^G)
         o_d = i_s * BS + tl.arange(0, BS)
@@ -694,16 +693,11 @@ def kda_fwd_wu_kernel(
             b_d = tl.exp2(_x(ga, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + b_after)
         _put(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
         _put(kd, b_k * b_d, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-        b_y = b_k * b_b[:, None] * b_e
-        if X_LOW:
-            b_y = mma(b_y, tl.bfloat16, EMU)
-        _put(w, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+        _put(w, _prod(b_X, b_k * b_b[:, None] * b_e, PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
     else:  # u = X (beta v)
         o_d = (i_s - NSK) * BS + tl.arange(0, BS)
         b_y = _tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_d) * b_b[:, None]
-        if X_LOW:
-            b_y = mma(b_y, tl.bfloat16, EMU)
-        _put(u, tl.dot(b_X, b_y, input_precision=PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
+        _put(u, _prod(b_X, b_y, PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
 
 
 class Prepared(NamedTuple):
@@ -738,11 +732,16 @@ def chunk_tables_of(opts, cu_seqlens, cu_host) -> tuple[torch.Tensor | None, tor
     return None, None, opts.shape.B * cdiv(opts.shape.T, opts.chunk_size)
 
 
+def _bf16_prec(dtype: torch.dtype) -> str:
+    """_prod's precision for bfloat16 operands: "bf16", or its emulation under the interpreter."""
+    return "bf16_emulated" if dot_config(dtype)[2] else "bf16"
+
+
 def _chunk_prec(prec: str, dtype: torch.dtype) -> str:
     """The whole-chunk intra kernel's product precision (BF16_PRODUCTS) for inputs of ``dtype``."""
     if not (BF16_PRODUCTS and dtype == torch.bfloat16):
         return prec
-    return "bf16_emulated" if dot_config(dtype)[2] else "bf16"
+    return _bf16_prec(dtype)
 
 
 def split_launches(any_gate: bool, dtype: torch.dtype) -> tuple:
@@ -847,7 +846,7 @@ def fwd_wu(opts, p: Prepared, q, k, v, beta, cu_seqlens) -> Prepared:
         NSK, NSV = cdiv(K, BS), cdiv(V, BS)
         kda_fwd_wu_kernel[(p.NT_total * (NSK + NSV), HV)](
             q, k, v, beta, p.gc, p.ga, p.gd, p.rs, p.xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS, NSK=NSK,
-            NSV=NSV, PREC=dot_config(dt)[1], WHOLE=p.ga is None, ANY=p.gd is not None, X_LOW=low,
-            EMU=dot_config(dt)[2], SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
+            NSV=NSV, PREC=_bf16_prec(dt) if low else dot_config(dt)[1], WHOLE=p.ga is None, ANY=p.gd is not None,
+            SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
             **_where(opts, p, cu_seqlens), **launch_options(LAUNCH, "wu_x16" if low else "wu", BK, BV))
     return p._replace(w=w, u=u, qg=qg, kd=kd)

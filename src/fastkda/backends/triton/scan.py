@@ -149,10 +149,12 @@ def _scan_bv(opts, dev: torch.device) -> int:
     3.6; 16 and 64 columns right, float32 right at all three)."""
     s = opts.shape
     if s.K > 128:
-        return min(pow2(s.V), SCAN_BV_WIDE_KEYS)
-    if cdiv(s.V, SCAN_BV) * s.N * s.HV <= platform.sm_count(dev) // 2:
-        return min(pow2(s.V), SCAN_BV_NARROW)
-    return min(pow2(s.V), SCAN_BV)
+        bv = SCAN_BV_WIDE_KEYS
+    elif cdiv(s.V, SCAN_BV) * s.N * s.HV <= platform.sm_count(dev) // 2:
+        bv = SCAN_BV_NARROW
+    else:
+        bv = SCAN_BV
+    return min(pow2(s.V), bv)
 
 
 def _split(opts, NT_total: int) -> bool:
