@@ -555,17 +555,21 @@ def kda_fwd_gates_kernel(
             if ANY:
                 b_G, b_E = _exact_cumsum(b_g)
                 _put(gd, b_E, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-                # the middle anchor's largest exponents: G_0 - G_8 (rows) and G_8 - G_15 (columns) of
-                # every block (G is non-increasing: G_8 is the largest of rows 8..15)
-                b_blk = tl.reshape(b_G, [C // 16, 16, BS])
-                b_mid = tl.max(tl.where((tl.arange(0, 16) >= 8)[None, :, None], b_blk, float("-inf")), 1)
-                b_half = tl.maximum(tl.max(b_blk, 1) - b_mid, b_mid - tl.min(b_blk, 1))
-                b_span = tl.maximum(b_span, tl.max(b_half))
-                b_low = tl.minimum(b_low, tl.min(b_G))
             else:
                 b_G = tl.cumsum(b_g, 0)
             _put(gc, b_G, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
             tl.store(gl + i_p * K + o_d, tl.exp2(tl.sum(b_g, 0)), mask=o_d < K)
+            if ANY:
+                # the middle anchor's largest exponents, G_0 - G_8 (rows) and G_8 - G_15 (columns) of
+                # every block, and the lowest sum, G at the chunk's last token (G is non-increasing),
+                # from the rows just stored (reloaded: no reductions across the tile's threads)
+                tl.debug_barrier()  # the rows were stored by other threads
+                o_b = 16 * tl.arange(0, C // 16)  # the blocks' first rows
+                b_g8 = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_b + 8, o_d)  # [C // 16, BS]
+                b_half = tl.maximum(_c(gc, bos, t0, T_seq, i_hv, HV, K, o_b, o_d) - b_g8,
+                                    b_g8 - _c(gc, bos, t0, T_seq, i_hv, HV, K, o_b + 15, o_d))
+                b_span = tl.maximum(b_span, tl.max(b_half))
+                b_low = tl.minimum(b_low, tl.min(_c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)))
         if ANY:
             # bit 0: the middle anchor; bit 1: sums beyond LO_SPAN, whose rounding errors count
             tl.store(gok + i_p, (b_span <= DIAG_SPAN).to(tl.int32) + 2 * (b_low < -LO_SPAN).to(tl.int32))
