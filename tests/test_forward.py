@@ -163,28 +163,35 @@ def test_split_output_default_choice(B, T, H, split):
     assert scan._split(opts, B * -(-T // 64)) is split
 
 
-@pytest.mark.parametrize("B,T,H,HV,bv", [(1, 32768, 16, 16, 32), (1, 8192, 32, 32, 32), (1, 8192, 64, 64, 64),
-                                         (2, 8192, 32, 32, 64), (1, 2048, 96, 96, 64), (1, 1024, 33, 33, 32),
-                                         (1, 1024, 34, 34, 64), (1, 1024, 2, 64, 64), (1, 1024, 8, 32, 32)])
-def test_scan_width_default_choice(B, T, H, HV, bv, monkeypatch):
+@pytest.mark.parametrize("B,T,H,HV,bv,stages", [
+    (1, 32768, 16, 16, 32, 3), (1, 8192, 32, 32, 32, 3), (1, 8192, 64, 64, 64, 3), (2, 8192, 32, 32, 64, 3),
+    (1, 2048, 96, 96, 64, 1), (2, 1024, 64, 64, 64, 1), (1, 1024, 66, 66, 64, 3), (1, 1024, 67, 67, 64, 1),
+    (1, 1024, 33, 33, 32, 3), (1, 1024, 34, 34, 64, 3), (1, 1024, 2, 64, 64, 3), (1, 1024, 8, 32, 32, 3)])
+def test_scan_width_default_choice(B, T, H, HV, bv, stages, monkeypatch):
     """The scan's value columns per program (scan.SCAN_BV, SCAN_BV_NARROW): narrow while wide
     programs (sequences x value heads x V / 64) would fill at most half the SMs (an H200's 132 where
     the device does not say: 66 programs narrow, 68 wide), following the SM count; keys wider than
-    128 keep 64 columns. Shapes only: meta tensors."""
+    128 keep 64 columns. Its pipeline stages: SCAN_STAGES_CROWDED (1) once the programs outnumber
+    the SMs (132 programs 3 stages, 134 one), at most 2 for float32 inputs. Shapes only: meta
+    tensors."""
     from fastkda import platform
     from fastkda.backends.triton import scan
 
     t = torch.empty(B, T, H, 128, device="meta", dtype=torch.bfloat16)
     tv = torch.empty(B, T, HV, 128, device="meta", dtype=torch.bfloat16)
     opts, _ = plain_options(dict(q=t, k=t, v=tv, g=tv, beta=tv[..., 0]))
-    assert platform.sm_count(torch.device("cpu")) == 132
-    assert scan._scan_bv(opts, torch.device("cpu")) == bv
+    cpu = torch.device("cpu")
+    assert platform.sm_count(cpu) == 132
+    assert scan._scan_bv(opts, cpu) == bv
+    assert scan._scan_stages(opts, bv, 128, t, cpu) == stages
+    assert scan._scan_stages(opts, bv, 128, t.float(), cpu) == min(stages, 2)
     monkeypatch.setattr(platform, "sm_count", lambda dev: 4 * 132)  # four times the SMs: wide programs now too few
-    assert scan._scan_bv(opts, torch.device("cpu")) == (32 if B * HV * 2 <= 264 else 64)
+    assert scan._scan_bv(opts, cpu) == (32 if B * HV * 2 <= 264 else 64)
+    assert scan._scan_stages(opts, bv, 128, t, cpu) == 3
     monkeypatch.undo()
     wide = torch.empty(B, T, H, 256, device="meta", dtype=torch.bfloat16)
     opts, _ = plain_options(dict(q=wide, k=wide, v=tv, g=torch.empty(B, T, HV, 256, device="meta"), beta=tv[..., 0]))
-    assert scan._scan_bv(opts, torch.device("cpu")) == 64
+    assert scan._scan_bv(opts, cpu) == 64
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")

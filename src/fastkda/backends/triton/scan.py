@@ -39,6 +39,11 @@ SCAN_WARPS = 4
 # keys run unpipelined on 8 warps, for shared memory): B1 T8192 H64 on the H200, the two calls of
 # one training step 0.787 -> 0.749 ms at 3 stages instead of 2 (BENCHMARKS.md)
 SCAN_STAGES = 3
+# and SCAN_STAGES_CROWDED stages where the programs outnumber the SMs: one stage's shared memory lets
+# two programs share an SM, so one wave holds them all (H200, scan alone: B1 T8192 H96, 192
+# programs, 0.798 -> 0.672 ms; H128, 256 programs, 0.814 -> 0.654; H64, 128 programs, keeps 3: 0.42
+# against 0.48 at one stage; 2 stages: 0.875, 0.909, 0.454)
+SCAN_STAGES_CROWDED = 1
 
 
 @triton.jit
@@ -157,6 +162,13 @@ def _scan_bv(opts, dev: torch.device) -> int:
     return min(pow2(s.V), bv)
 
 
+def _scan_stages(opts, BV: int, BK: int, x: torch.Tensor, dev: torch.device) -> int:
+    """Pipeline stages of the forward scan's chunk loop (SCAN_STAGES_CROWDED beyond one program per SM)."""
+    s = opts.shape
+    crowded = cdiv(s.V, BV) * s.N * s.HV > platform.sm_count(dev)
+    return scan_stages(SCAN_STAGES_CROWDED if crowded else SCAN_STAGES, BK, x)
+
+
 def _split(opts, NT_total: int) -> bool:
     """Whether o leaves the scan: long sequences (chunks per sequence, on average), where the
     scan's chunk-after-chunk loop dominates, and few programs (counted SCAN_BV columns wide)."""
@@ -200,7 +212,7 @@ def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep
             HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
             STORE_H=h is not None, STORE_O=o_scan is not None, STORE_VN=vn is not None, V_FIRST=opts.state_v_first,
             H_V_FIRST=opts.state_v_first and not (keep or split), IS_VARLEN=cu_seqlens is not None, DT=DT, PREC=PREC,
-            EMU=EMU, num_warps=SCAN_WARPS if BK <= 128 else 8, num_stages=scan_stages(SCAN_STAGES, BK, p.w),
+            EMU=EMU, num_warps=SCAN_WARPS if BK <= 128 else 8, num_stages=_scan_stages(opts, BV, BK, p.w, dev),
         )
     if split and p.NT_total > 0:
         BVO = min(pow2(V), OUT_BV)
