@@ -36,8 +36,8 @@ from .common import (block_lower, cdiv, chunk_program, dot_config, exclusive_cum
                      launch_options, out_alloc, pow2, row_of)
 from .scan import _state_ptrs
 from . import prepare
-from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _put, _tile, _x, chunk_form,
-                      level_pairs, split_launches, split_level)
+from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _chained, _middle, _put, _tile, _x,
+                      chunk_form, half_pairs, level_pairs, split_launches, split_level)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
 # "v", "k", "gate_chunk" and the two slices below: B1 T8192 H64 safe gate, one training step on the
@@ -252,16 +252,13 @@ def _dg_out(g, A_log, dt_bias, dg, b_dgr, lower_bound, bos, t0, T_seq, i_hv, HV:
 
 
 @triton.jit
-def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv,
-                HV: tl.constexpr, K: tl.constexpr, o_c, o_d, S: tl.constexpr, HALF: tl.constexpr, ANY: tl.constexpr,
-                PREC: tl.constexpr):
-    """Add level S of the pair terms i > j (anchored as in the forward, prepare._anchored) to dq (rows
-    of dAqk), dk through the rows of dAkk (dkr) and dk through the columns of both (dkc). The [C, C]
+def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, m, m_t, b_r, b_c, PREC: tl.constexpr):
+    """Add a level of the pair terms i > j (mask m and its transpose m_t [C, C], row and column
+    factors b_r, b_c [C, BS], as the forward's: prepare._anchored, prepare._chained) to dq (rows of
+    dAqk), dk through the rows of dAkk (dkr) and dk through the columns of both (dkc). The [C, C]
     gradients are loaded per level, the level's entries only: as they are from the lower triangle,
     transposed from the upper one (kda_bwd_v_kernel MIRROR, kda_bwd_k_kernel WHOLE; docs/math.md
     section 5). The diagonal of dAqk is left to the caller."""
-    m, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, 1, S, HALF, ANY)
-    m_t = level_pairs(o_c[None, :], o_c[:, None], 1, S, HALF)  # the level's transposed entries: upper triangle
     b_kc = b_k * b_c
     b_dq += b_r * _mm(tl.load(s_dA + o_cc, mask=m, other=0.0), b_kc, PREC)
     b_col = _mm(tl.load(s_dA + o_cc, mask=m_t, other=0.0), b_q * b_r, PREC)
@@ -305,18 +302,17 @@ def kda_bwd_gate_chunk_kernel(
     skip, mid = chunk_form(gok, i_p, SEL, ANY)
     if skip:
         return
-    if C == 64:
-        b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, b_L, gc, gd, bos, t0, T_seq,
-                                         i_hv, HV, K, o_c, o_d, 64, True, ANY, PREC)
-    b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, b_L, gc, gd, bos, t0, T_seq,
-                                     i_hv, HV, K, o_c, o_d, 32, True, ANY, PREC)
-    if mid:
-        b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, b_L, gc, gd, bos, t0,
-                                         T_seq, i_hv, HV, K, o_c, o_d, 16, False, ANY, PREC)
+    if mid:  # levels C/2 .. 16 from the middle anchor's factors
+        b_r16, b_c16 = _middle(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)
+        for lvl in tl.static_range(C // 32 + 1):
+            m, b_r, b_c = _chained(b_r16, b_c16, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, 1, C >> lvl, ANY)
+            m_t = level_pairs(o_c[None, :], o_c[:, None], 1, C >> lvl, lvl < C // 32)  # upper triangle
+            b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, m, m_t, b_r, b_c, PREC)
     else:  # every exponent <= 0: any gate
-        for lvl in tl.static_range(4):
-            b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, b_G, b_L, gc, gd, bos, t0,
-                                             T_seq, i_hv, HV, K, o_c, o_d, 16 >> lvl, True, ANY, PREC)
+        for lvl in tl.static_range(C // 32 + 4):
+            m, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, C >> lvl, ANY)
+            m_t = half_pairs(o_c[None, :], o_c[:, None], C >> lvl)
+            b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, m, m_t, b_r, b_c, PREC)
     # the diagonal of Aqk (factor e^0 = 1) reaches dq and dk only: in dG its two terms cancel exactly
     b_dAii = tl.load(s_dA + i_p * C * C + o_c * (C + 1))  # [C]
     b_dii_q = b_dAii[:, None] * b_k

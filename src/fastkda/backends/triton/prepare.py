@@ -330,7 +330,9 @@ def _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, J, C: tl.constexp
 
 @triton.jit
 def level_pairs(i, j, strict, S: tl.constexpr, HALF: tl.constexpr):
-    """Mask of the pairs (i, j) of level S (see _anchored); level_pairs(j, i, ..) is its transpose."""
+    """Mask of the pairs (i, j) of level S: with HALF the half-segment pairs (_anchored); S = 16
+    without it the diagonal 16-token blocks, j <= i - strict (_chained). level_pairs(j, i, ..) is
+    its transpose."""
     if S == 16 and not HALF:
         return ((i // S) == (j // S)) & (j <= i - strict)
     return half_pairs(i, j, S)
@@ -346,39 +348,71 @@ def _c_lo(gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_i, o_d,
 
 
 @triton.jit
-def _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict,
-              S: tl.constexpr, HALF: tl.constexpr, ANY: tl.constexpr):
-    """Level S of a chunk's pairs (docs/math.md section 3): (mask [C, C] of its pairs i >= j + strict,
-    row factors e^(G - G_a), column factors e^(G_a - G) [C, BS]) with one anchor a per row and
-    column. S = 16 without HALF: the diagonal blocks, anchored at their middle token (factors up to
-    8 gates: |exponent| <= 58 for bounded gates, at most the block's span for others). Otherwise
-    every S-row segment's second half against its first, anchored at the first half's last token:
-    exponents <= 0 on the pairs kept, clamped at 0 elsewhere (finite, discarded). With ANY
-    (unbounded gates) b_L and gd hold the rounding errors of the float32 sums b_G and gc, and each
-    exponent is (G_hi - G_a,hi) + (G_lo - G_a,lo): off by the difference's own rounding plus about
-    |G| 2^-34 (float16 errors), not |G| 2^-24."""
-    if S == 16 and not HALF:
-        o_a = (o_c // 16) * 16 + 8  # each row's anchor
-    else:
-        o_a = (o_c // S) * S + S // 2 - 1
+def _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, S: tl.constexpr,
+              ANY: tl.constexpr):
+    """Level S of a chunk's pairs for any gate (docs/math.md section 3): (mask [C, C] of its pairs,
+    row factors e^(G - G_a), column factors e^(G_a - G) [C, BS]): every S-row segment's second half
+    against its first, anchored at the first half's last token a. Exponents <= 0 on the pairs kept,
+    clamped at 0 elsewhere (finite, discarded). With ANY (unbounded gates) b_L and gd hold the
+    rounding errors of the float32 sums b_G and gc, and each exponent is (G_hi - G_a,hi) + (G_lo -
+    G_a,lo): off by the difference's own rounding plus about |G| 2^-34 (float16 errors), not |G|
+    2^-24. No such level holds the diagonal."""
+    o_a = (o_c // S) * S + S // 2 - 1
     b_e = b_G - _c(gc, bos, t0, T_seq, i_hv, HV, K, o_a, o_d)  # G - G_a   [C, BS]
     if ANY:
         b_e += b_L - _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_a, o_d, ANY)
-    if S == 16 and not HALF:
-        b_r = tl.exp2(b_e)
-        b_c = tl.exp2(-b_e)
-    else:  # (one exp2(-|e|) and two selects instead: whole-chunk intra 0.74 -> 0.82 ms, B1 T8192 H64)
-        b_r = tl.exp2(tl.minimum(b_e, 0.0))
-        b_c = tl.exp2(tl.minimum(-b_e, 0.0))
-    return level_pairs(o_c[:, None], o_c[None, :], strict, S, HALF), b_r, b_c
+    # (one exp2(-|e|) and two selects instead: whole-chunk intra 0.74 -> 0.82 ms, B1 T8192 H64)
+    b_r = tl.exp2(tl.minimum(b_e, 0.0))
+    b_c = tl.exp2(tl.minimum(-b_e, 0.0))
+    return half_pairs(o_c[:, None], o_c[None, :], S), b_r, b_c
 
 
 @triton.jit
-def _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict,
-           S: tl.constexpr, HALF: tl.constexpr, ANY: tl.constexpr, PREC: tl.constexpr):
-    """Add level S of a chunk's Aqk (b_x = q) or Akk (b_x = k, ``strict`` = 1: below the diagonal
-    only) for one feature slice: a [C, C] product whose entries outside the level are discarded."""
-    m, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, strict, S, HALF, ANY)
+def _middle(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, ANY: tl.constexpr):
+    """The middle anchor's factors e^(G - G_m) and e^(G_m - G) [C, BS], m the middle token (8) of each
+    row's 16-token block: up to 8 gates (|exponent| <= 58 for bounded gates; for others at most the
+    span that chunk_form's gok bit 0 admits, DIAG_SPAN). ANY: exact sums, as _anchored's."""
+    o_m = (o_c // 16) * 16 + 8
+    b_e = b_G - _c(gc, bos, t0, T_seq, i_hv, HV, K, o_m, o_d)
+    if ANY:
+        b_e += b_L - _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_m, o_d, ANY)
+    return tl.exp2(b_e), tl.exp2(-b_e)
+
+
+@triton.jit
+def _per_block(b_t, C: tl.constexpr):
+    """[C // 16, BS] -> [C, BS]: row b of b_t repeated over the rows of 16-token block b."""
+    BS: tl.constexpr = b_t.shape[1]
+    return tl.reshape(tl.broadcast_to(b_t[:, None, :], [C // 16, 16, BS]), [C, BS])
+
+
+@triton.jit
+def _chained(b_r16, b_c16, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict,
+             S: tl.constexpr, ANY: tl.constexpr):
+    """Level S of a chunk whose diagonal blocks take the middle anchor, as _anchored's (mask, row
+    factors, column factors), from the middle anchor's factors b_r16 = e^(G - G_m), b_c16 = e^(G_m -
+    G) [C, BS] (m: the middle token of each row's 16-token block) times one factor per block,
+    e^-|G_m - G_a| (a: the level's anchor; G_m <= G_a on the rows the level keeps, G_m >= G_a on
+    its columns): two exponentials per entry for all levels instead of two per level (docs/math.md
+    section 3). S = 16: the middle anchor's own level."""
+    if S == 16:
+        return level_pairs(o_c[:, None], o_c[None, :], strict, 16, False), b_r16, b_c16
+    C: tl.constexpr = o_c.shape[0]
+    o_b = 16 * tl.arange(0, C // 16)  # the blocks' first rows
+    o_m = o_b + 8
+    o_a = (o_b // S) * S + S // 2 - 1
+    b_e = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_m, o_d) - _c(gc, bos, t0, T_seq, i_hv, HV, K, o_a, o_d)  # [C // 16, BS]
+    if ANY:
+        b_e += _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_m, o_d, ANY) - _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_a, o_d, ANY)
+    b_t = _per_block(tl.exp2(-tl.abs(b_e)), C)
+    return level_pairs(o_c[:, None], o_c[None, :], strict, S, True), b_r16 * b_t, b_c16 * b_t
+
+
+@triton.jit
+def _level(b_A, b_x, b_k, m, b_r, b_c, PREC: tl.constexpr):
+    """Add a level (mask m [C, C], row and column factors b_r, b_c [C, BS]) of a chunk's Aqk (b_x =
+    q) or Akk (b_x = k) for one feature slice: a [C, C] product whose entries outside the level are
+    discarded."""
     return b_A + tl.where(m, _prod(b_x * b_r, tl.trans(b_k * b_c), PREC), 0.0)
 
 
@@ -440,16 +474,15 @@ def kda_fwd_intra_chunk_kernel(
             b_sq += tl.sum(b_x * b_x, 1)
         else:
             b_x = b_k
-        if C == 64:
-            b_A = _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 64, True, ANY, PREC)
-        b_A = _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 32, True, ANY, PREC)
-        if mid:
-            b_A = _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 16, False, ANY,
-                         PREC)
+        if mid:  # levels C/2 .. 16 from the middle anchor's factors
+            b_r16, b_c16 = _middle(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)
+            for lvl in tl.static_range(C // 32 + 1):
+                m, b_r, b_c = _chained(b_r16, b_c16, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, C >> lvl, ANY)
+                b_A = _level(b_A, b_x, b_k, m, b_r, b_c, PREC)
         else:  # every exponent <= 0: any gate
-            for lvl in tl.static_range(4):
-                b_A = _level(b_A, b_x, b_k, b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, 16 >> lvl, True,
-                             ANY, PREC)
+            for lvl in tl.static_range(C // 32 + 4):
+                m, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, C >> lvl, ANY)
+                b_A = _level(b_A, b_x, b_k, m, b_r, b_c, PREC)
             if i_m == 0:  # Aqk's diagonal: factor e^0 = 1
                 b_A += tl.where(o_c[:, None] == o_c[None, :], tl.sum(b_x * b_k, 1)[:, None], 0.0)
     b_rq = _rnorm(b_sq, L2NORM)  # [C]
