@@ -216,10 +216,12 @@ def breakdown(name="B1 T8192 H64"):
         rows.append({"stage": "prepare", "ms": ms})
         print(f"{name}: prepare (4 launches): {ms:.3f} ms", flush=True)
         sargs = (opts, out, None, None, inp.v.dtype, *common.dot_config(inp.q.dtype))
-        kept = scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS, scan.SCAN_STAGES
-        for bv, warps, stages in ((64, 8, 2), (64, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 3), (128, 8, 2)):
-            # both widths: the scan takes SCAN_BV_NARROW for shapes of few programs
-            scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS, scan.SCAN_STAGES = bv, bv, warps, stages
+        kept = scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS, scan.SCAN_STAGES, scan.SCAN_STAGES_CROWDED
+        for bv, warps, stages in ((64, 8, 2), (64, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 3), (128, 8, 2), (64, 4, 1)):
+            # both widths and both stage counts: the scan takes SCAN_BV_NARROW for shapes of few
+            # programs and SCAN_STAGES_CROWDED for more programs than SMs
+            scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS = bv, bv, warps
+            scan.SCAN_STAGES = scan.SCAN_STAGES_CROWDED = stages
             try:
                 scan.fwd_scan(*sargs)
                 ms = tt.do_bench(lambda: scan.fwd_scan(*sargs), warmup=25, rep=100, return_mode="median")
@@ -228,7 +230,7 @@ def breakdown(name="B1 T8192 H64"):
                 continue
             rows.append({"stage": "scan", "BV": bv, "warps": warps, "stages": stages, "ms": ms})
             print(f"{name}: scan BV={bv} warps={warps} stages={stages}: {ms:.3f} ms", flush=True)
-        scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS, scan.SCAN_STAGES = kept
+        scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS, scan.SCAN_STAGES, scan.SCAN_STAGES_CROWDED = kept
     return rows
 
 

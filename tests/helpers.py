@@ -79,17 +79,26 @@ def bounded(case):
     return case.replace(gate=gate, lower_bound=max(case.lower_bound, -5.0))
 
 
-def spy_launches(monkeypatch, module, *names, grids: bool = False) -> list:
+def spy_launches(monkeypatch, module, *names, grids: bool = False, options: tuple[str, ...] = ()) -> list:
     """Wrap the kernels ``names`` of ``module`` so that every launch appends its kernel's name (with
-    ``grids``, its grid) to the returned list (which path ran, how wide), then launches it as before."""
+    ``grids``, its grid) to the returned list (which path ran, how wide), then launches it as before.
+    With ``options`` (launch keywords such as "num_stages") each entry is (name or grid, {keyword:
+    value})."""
     launches = []
     for name in names:
         kernel = getattr(module, name)
 
         class Spy:
             def __getitem__(self, grid, name=name, kernel=kernel):
-                launches.append(grid if grids else name)
-                return kernel[grid]
+                entry = grid if grids else name
+                if not options:
+                    launches.append(entry)
+                    return kernel[grid]
+
+                def launch(*args, **kw):
+                    launches.append((entry, {o: kw.get(o) for o in options}))
+                    return kernel[grid](*args, **kw)
+                return launch
 
         monkeypatch.setattr(module, name, Spy())
     return launches

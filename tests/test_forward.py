@@ -195,6 +195,26 @@ def test_scan_width_default_choice(B, T, H, HV, bv, stages, monkeypatch):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("sms", [2, 1024])
+def test_scan_stages_launch(sms, rng, monkeypatch):
+    """The forward scan launches with _scan_stages's choice: one stage once its programs (4 here)
+    outnumber the SMs (2: as if crowded), SCAN_STAGES otherwise; the output right either way."""
+    from fastkda import platform
+    from fastkda.backends.triton import scan
+
+    monkeypatch.setattr(platform, "sm_count", lambda dev: sms)
+    launches = spy_launches(monkeypatch, scan, "kda_fwd_scan_kernel", options=("num_stages",))
+    case = Case(T=40, H=2, HV=4, K=32, V=32, dtype=torch.bfloat16, gate="safe", l2norm=True)
+    x, o, s, _ = run_forward("triton", case, rng)
+    o_ref, s_ref = reference(x, chunked=True, chunk_size=case.chunk_size)
+    tol = tol_for(case.dtype, "triton")
+    check("o", o, o_ref, tol)
+    check("final_state", s, s_ref, tol)
+    stages = scan.SCAN_STAGES_CROWDED if sms == 2 else scan.SCAN_STAGES
+    assert launches == [("kda_fwd_scan_kernel", {"num_stages": stages})], launches
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("bv", [16, 32, 64])
 @pytest.mark.parametrize("axis", ["varlen", "k_ne_v", "state_v_first", "bf16"])
 def test_scan_width(axis, bv, rng, monkeypatch):

@@ -599,7 +599,7 @@ def kda_fwd_gates_kernel(
                 # the middle anchor's largest exponents, G_0 - G_8 (rows) and G_8 - G_15 (columns) of
                 # every block, and the lowest sum, G at the chunk's last token (G is non-increasing),
                 # from the rows just stored (reloaded: no reductions across the tile's threads)
-                tl.debug_barrier()  # the rows were stored by other threads
+                tl.debug_barrier()  # the rows were stored by other threads (one stage: launch_options)
                 o_b = 16 * tl.arange(0, C // 16)  # the blocks' first rows
                 b_g8 = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_b + 8, o_d)  # [C // 16, BS]
                 b_half = tl.maximum(_c(gc, bos, t0, T_seq, i_hv, HV, K, o_b, o_d) - b_g8,
