@@ -147,6 +147,12 @@ def kda_fwd_output_kernel(
     tl.store(o + r_t * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
+def _programs(opts, BV: int) -> int:
+    """Scan programs of a launch BV value columns wide: value-column blocks x sequences x value heads."""
+    s = opts.shape
+    return cdiv(s.V, BV) * s.N * s.HV
+
+
 def _scan_bv(opts, dev: torch.device) -> int:
     """Value columns per scan program (SCAN_BV_NARROW while SCAN_BV would leave half the SMs idle).
     Keys wider than 128 take SCAN_BV_WIDE_KEYS: at K = 256 with 16-bit inputs (8 warps, one stage), 32
@@ -155,7 +161,7 @@ def _scan_bv(opts, dev: torch.device) -> int:
     s = opts.shape
     if s.K > 128:
         bv = SCAN_BV_WIDE_KEYS
-    elif cdiv(s.V, SCAN_BV) * s.N * s.HV <= platform.sm_count(dev) // 2:
+    elif _programs(opts, SCAN_BV) <= platform.sm_count(dev) // 2:
         bv = SCAN_BV_NARROW
     else:
         bv = SCAN_BV
@@ -164,8 +170,7 @@ def _scan_bv(opts, dev: torch.device) -> int:
 
 def _scan_stages(opts, BV: int, BK: int, x: torch.Tensor, dev: torch.device) -> int:
     """Pipeline stages of the forward scan's chunk loop (SCAN_STAGES_CROWDED beyond one program per SM)."""
-    s = opts.shape
-    crowded = cdiv(s.V, BV) * s.N * s.HV > platform.sm_count(dev)
+    crowded = _programs(opts, BV) > platform.sm_count(dev)
     return scan_stages(SCAN_STAGES_CROWDED if crowded else SCAN_STAGES, BK, x)
 
 
@@ -175,8 +180,7 @@ def _split(opts, NT_total: int) -> bool:
     s = opts.shape
     if SPLIT_MIN_CHUNKS is None or opts.return_intermediate_states or s.N == 0:
         return False
-    programs = cdiv(s.V, SCAN_BV) * s.N * s.HV
-    return NT_total >= SPLIT_MIN_CHUNKS * s.N and programs <= SPLIT_MAX_PROGRAMS
+    return NT_total >= SPLIT_MIN_CHUNKS * s.N and _programs(opts, SCAN_BV) <= SPLIT_MAX_PROGRAMS
 
 
 def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep=False):
