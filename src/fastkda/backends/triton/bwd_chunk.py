@@ -36,7 +36,7 @@ from .common import (block_lower, cdiv, chunk_program, dot_config, exclusive_cum
                      launch_options, out_alloc, pow2, row_of)
 from .scan import _state_ptrs
 from . import prepare
-from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _chained, _middle, _put, _tile, _x,
+from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _middle, _put, _tile, _x,
                       chunk_form, half_pairs, level_pairs, split_launches, split_level)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
@@ -254,7 +254,7 @@ def _dg_out(g, A_log, dt_bias, dg, b_dgr, lower_bound, bos, t0, T_seq, i_hv, HV:
 @triton.jit
 def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, m, m_t, b_r, b_c, PREC: tl.constexpr):
     """Add a level of the pair terms i > j (mask m and its transpose m_t [C, C], row and column
-    factors b_r, b_c [C, BS], as the forward's: prepare._anchored, prepare._chained) to dq (rows of
+    factors b_r, b_c [C, BS], as the forward's: prepare._anchored, prepare._middle) to dq (rows of
     dAqk), dk through the rows of dAkk (dkr) and dk through the columns of both (dkc). The [C, C]
     gradients are loaded per level, the level's entries only: as they are from the lower triangle,
     transposed from the upper one (kda_bwd_v_kernel MIRROR, kda_bwd_k_kernel WHOLE; docs/math.md
@@ -302,12 +302,17 @@ def kda_bwd_gate_chunk_kernel(
     skip, mid = chunk_form(gok, i_p, SEL, ANY)
     if skip:
         return
-    if mid:  # levels C/2 .. 16 from the middle anchor's factors
-        b_r16, b_c16 = _middle(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)
-        for lvl in tl.static_range(C // 32 + 1):
-            m, b_r, b_c = _chained(b_r16, b_c16, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, 1, C >> lvl, ANY)
-            m_t = level_pairs(o_c[None, :], o_c[:, None], 1, C >> lvl, lvl < C // 32)  # upper triangle
+    if mid:  # levels C/2 .. 32 each from its own anchor, then the diagonal blocks from the middle one
+        # (the forward's chained factors, prepare._chained, made this kernel slower: H200, B1 T8192
+        # H64 safe gate, 2.99 -> 3.69 ms, training step 9.08 -> 9.79 ms; H96 step 13.90 -> 14.90 ms)
+        for lvl in tl.static_range(C // 32):
+            m, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, C >> lvl, ANY)
+            m_t = half_pairs(o_c[None, :], o_c[:, None], C >> lvl)
             b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, m, m_t, b_r, b_c, PREC)
+        b_r, b_c = _middle(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)
+        m = level_pairs(o_c[:, None], o_c[None, :], 1, 16, False)
+        m_t = level_pairs(o_c[None, :], o_c[:, None], 1, 16, False)
+        b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, m, m_t, b_r, b_c, PREC)
     else:  # every exponent <= 0: any gate
         for lvl in tl.static_range(C // 32 + 4):
             m, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, C >> lvl, ANY)
