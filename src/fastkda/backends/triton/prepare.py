@@ -70,12 +70,14 @@ from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tabl
 # 16-, 32-column steps were slower; so was folding the gates kernel's work into it, 1.57 ms against
 # 0.82 + 0.25, or the inverse's, 1.14 against 0.82 + 0.18, timed on a variant of the level factors
 # that took 0.82 ms itself: BENCHMARKS.md)
+# "gates_any": the gates kernel for unbounded gates on the whole-chunk path, 2 warps (B1 T8192 H64
+# softplus on the H200: 0.469 -> 0.382 ms against 4, 0.489 at 1; bounded gates keep 4: 0.224 at 2).
 # "inverse" at 1 warp and "intra" capped at 128 registers: B1 T8192 H64 on the H200, one training
 # step (0.21 -> 0.18 ms per call; softplus intra 2.83 -> 2.57 ms per call; 2.29 ms since the
 # diagonal blocks' levels, against 4.13 ms at 4 warps without the cap)
 WHOLE_ANY = True  # gates activated in the kernel, unbounded, take the whole-chunk path (whole_forward)
-LAUNCH = {"gates": (4, None), "intra": (2, 128), "chunk": (4, None), "inverse": (1, None), "wu": (8, None),
-          "wu_x16": (4, None)}
+LAUNCH = {"gates": (4, None), "gates_any": (2, None), "intra": (2, 128), "chunk": (4, None), "inverse": (1, None),
+          "wu": (8, None), "wu_x16": (4, None)}
 SLICE = 32  # feature columns per tile
 # unbounded gates on the whole-chunk path: the middle anchor of a chunk's diagonal 16-token blocks
 # while every factor it makes stays below 2^DIAG_SPAN (float32 overflows at 2^128; the operands
@@ -855,7 +857,7 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole, t
         kda_fwd_gates_kernel[(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
             q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, H=H, K=K, BK=BK,
             BS=min(GATES_SLICE_ANY if any_gate else GATES_SLICE, BS), L2NORM=opts.qk_l2norm, WHOLE=whole,
-            ANY=any_gate, **gate, **where, **launch_options(LAUNCH, "gates", BK, BK))
+            ANY=any_gate, **gate, **where, **launch_options(LAUNCH, "gates_any" if any_gate else "gates", BK, BK))
         if whole:
             for any_sel, sel in split_launches(any_gate, dt):
                 kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
