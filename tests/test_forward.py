@@ -194,6 +194,28 @@ def test_scan_width_default_choice(B, T, H, HV, bv, stages, monkeypatch):
     assert scan._scan_bv(opts, cpu) == 64
 
 
+@pytest.mark.parametrize("sms", [8, 132, 528])
+def test_scan_narrow_never_crowded(sms, monkeypatch):
+    """32-column scan programs always keep the pipelined loop: _scan_bv picks them only where they
+    number at most the SMs, so _scan_stages never gives them SCAN_STAGES_CROWDED (forced, 32
+    columns at one stage faulted on an H200: scan.py). Every value-head count up to 4x the SMs."""
+    from fastkda import platform
+    from fastkda.backends.triton import scan
+
+    monkeypatch.setattr(platform, "sm_count", lambda dev: sms)
+    cpu = torch.device("cpu")
+    seen = set()
+    for hv in range(1, 2 * sms + 2):
+        t = torch.empty(1, 64, 1, 128, device="meta", dtype=torch.bfloat16)
+        tv = torch.empty(1, 64, hv, 128, device="meta", dtype=torch.bfloat16)
+        opts, _ = plain_options(dict(q=t, k=t, v=tv, g=tv, beta=tv[..., 0]))
+        bv = scan._scan_bv(opts, cpu)
+        seen.add(bv)
+        if bv == scan.SCAN_BV_NARROW:
+            assert scan._scan_stages(opts, bv, 128, t, cpu) == scan.SCAN_STAGES, hv
+    assert seen == {32, 64}
+
+
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("sms", [2, 1024])
 def test_scan_stages_launch(sms, rng, monkeypatch):

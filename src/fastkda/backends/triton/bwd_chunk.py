@@ -42,9 +42,11 @@ from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo,
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
 # "v", "k", "gate_chunk" and the two slices below: B1 T8192 H64 safe gate, one training step on the
 # H200 (BENCHMARKS.md: v 2.66 -> 1.56 ms at 4 warps instead of 8; k 0.94 -> 0.87 ms without the cap,
-# 1.00 ms since it also stores dAkk transposed; gate_chunk 4.22 | 2.99 | 4.55 | 3.91 ms at 16 columns
-# 4 warps | 32, 4 | 32, 8 | 64, 8); "gate": B1 T8192 H64 softplus, 9.59 ms against 9.89 ms at 4 warps
-LAUNCH = {"v": (4, None), "k": (2, None), "gate_chunk": (4, None), "gate": (2, 128)}
+# 1.00 ms since it also stores dAkk transposed, 0.95 ms capped at 168 registers (H96 1.51 -> 1.41 ms;
+# 192: 1.48; 4 warps: 1.06 at H64); gate_chunk 4.22 | 2.99 | 4.55 | 3.91 ms at 16 columns
+# 4 warps | 32, 4 | 32, 8 | 64, 8; 32 columns on 4 warps capped at 168 | 128 registers 4.49 | 7.27 ms,
+# on 2 warps 10.3 ms, 64 on 4 6.5 ms); "gate": B1 T8192 H64 softplus, 9.59 ms against 9.89 ms at 4 warps
+LAUNCH = {"v": (4, None), "k": (2, 168), "gate_chunk": (4, None), "gate": (2, 128)}
 GATE_CHUNK_SLICE = 32  # feature columns per program of kda_bwd_gate_chunk_kernel
 V_STATE_SLICE = 32  # key columns per state-product program of kda_bwd_v_kernel (1.61 ms at 64)
 # Within-block pair terms of dg: summed exactly (i >= t > j, one column at a time) or as row sums

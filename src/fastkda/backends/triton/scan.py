@@ -42,7 +42,9 @@ SCAN_STAGES = 3
 # and SCAN_STAGES_CROWDED stages where the programs outnumber the SMs: one stage's shared memory lets
 # two programs share an SM, so one wave holds them all (H200, scan alone: B1 T8192 H96, 192
 # programs, 0.798 -> 0.672 ms; H128, 256 programs, 0.814 -> 0.654; H64, 128 programs, keeps 3: 0.42
-# against 0.48 at one stage; 2 stages: 0.875, 0.909, 0.454)
+# against 0.48 at one stage; 2 stages: 0.875, 0.909, 0.454). _scan_bv never crowds 32-column programs
+# (SCAN_BV_NARROW only where 64-column ones fill at most half the SMs): forced, 32 columns at one stage
+# (B1 T8192 H96, 384 programs) faulted on the H200 (illegal memory access, Triton 3.6; cause not found)
 SCAN_STAGES_CROWDED = 1
 
 
