@@ -198,7 +198,8 @@ def test_scan_width_default_choice(B, T, H, HV, bv, stages, monkeypatch):
 def test_scan_narrow_never_crowded(sms, monkeypatch):
     """32-column scan programs always keep the pipelined loop: _scan_bv picks them only where they
     number at most the SMs, so _scan_stages never gives them SCAN_STAGES_CROWDED (forced, 32
-    columns at one stage faulted on an H200: scan.py). Every value-head count up to 4x the SMs."""
+    columns at one stage faulted on an H200: scan.py). Every value-head count until 64-column
+    programs number about 4x the SMs."""
     from fastkda import platform
     from fastkda.backends.triton import scan
 
@@ -212,6 +213,7 @@ def test_scan_narrow_never_crowded(sms, monkeypatch):
         bv = scan._scan_bv(opts, cpu)
         seen.add(bv)
         if bv == scan.SCAN_BV_NARROW:
+            assert scan._programs(opts, bv) <= sms, hv
             assert scan._scan_stages(opts, bv, 128, t, cpu) == scan.SCAN_STAGES, hv
     assert seen == {32, 64}
 
