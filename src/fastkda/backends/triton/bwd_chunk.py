@@ -37,7 +37,7 @@ from .common import (block_lower, cdiv, chunk_program, dot_config, exclusive_cum
 from .scan import _state_ptrs
 from . import prepare
 from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _middle, _put, _tile, _x,
-                      chunk_form, half_pairs, level_pairs, split_launches, split_level)
+                      block_pairs, chunk_form, half_pairs, split_launches, split_level)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
 # "v", "k", "gate_chunk" and the two slices below: B1 T8192 H64 safe gate, one training step on the
@@ -312,8 +312,8 @@ def kda_bwd_gate_chunk_kernel(
             m_t = half_pairs(o_c[None, :], o_c[:, None], C >> lvl)
             b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, m, m_t, b_r, b_c, PREC)
         b_r, b_c = _middle(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)
-        m = level_pairs(o_c[:, None], o_c[None, :], 1, 16, False)
-        m_t = level_pairs(o_c[None, :], o_c[:, None], 1, 16, False)
+        m = block_pairs(o_c[:, None], o_c[None, :], 1)
+        m_t = block_pairs(o_c[None, :], o_c[:, None], 1)
         b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, m, m_t, b_r, b_c, PREC)
     else:  # every exponent <= 0: any gate
         for lvl in tl.static_range(C // 32 + 4):

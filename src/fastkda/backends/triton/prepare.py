@@ -331,13 +331,10 @@ def _pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, J, C: tl.constexp
 
 
 @triton.jit
-def level_pairs(i, j, strict, S: tl.constexpr, HALF: tl.constexpr):
-    """Mask of the pairs (i, j) of level S: with HALF the half-segment pairs (_anchored); S = 16
-    without it the diagonal 16-token blocks, j <= i - strict (_chained). level_pairs(j, i, ..) is
-    its transpose."""
-    if S == 16 and not HALF:
-        return ((i // S) == (j // S)) & (j <= i - strict)
-    return half_pairs(i, j, S)
+def block_pairs(i, j, strict):
+    """Mask of the pairs (i, j) of the diagonal 16-token blocks with j <= i - strict (the middle
+    anchor's level: _middle, _chained); block_pairs(j, i, ..) is its transpose."""
+    return ((i // 16) == (j // 16)) & (j <= i - strict)
 
 
 @triton.jit
@@ -401,7 +398,7 @@ def _chained(b_r16, b_c16, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl
     its columns): two exponentials per entry for all levels instead of two per level (docs/math.md
     section 3). S = 16: the middle anchor's own level."""
     if S == 16:
-        return level_pairs(o_c[:, None], o_c[None, :], strict, 16, False), b_r16, b_c16
+        return block_pairs(o_c[:, None], o_c[None, :], strict), b_r16, b_c16
     C: tl.constexpr = o_c.shape[0]
     o_b = 16 * tl.arange(0, C // 16)  # the blocks' first rows
     o_m = o_b + 8
@@ -410,7 +407,7 @@ def _chained(b_r16, b_c16, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl
     if ANY:
         b_e += _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_m, o_d, ANY) - _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_a, o_d, ANY)
     b_t = _per_block(tl.exp2(-tl.abs(b_e)), C)
-    return level_pairs(o_c[:, None], o_c[None, :], strict, S, True), b_r16 * b_t, b_c16 * b_t
+    return half_pairs(o_c[:, None], o_c[None, :], S), b_r16 * b_t, b_c16 * b_t
 
 
 @triton.jit
