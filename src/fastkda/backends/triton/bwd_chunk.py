@@ -37,7 +37,7 @@ from .common import (block_lower, cdiv, chunk_program, dot_config, exclusive_cum
 from .scan import _state_ptrs
 from . import prepare
 from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _middle, _put, _tile, _x,
-                      block_pairs, chunk_form, half_pairs, split_launches, split_level)
+                      block_pairs, chunk_form, split_launches, split_level)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
 # "v", "k", "gate_chunk" and the two slices below: B1 T8192 H64 safe gate, one training step on the
@@ -254,9 +254,48 @@ def _dg_out(g, A_log, dt_bias, dg, b_dgr, lower_bound, bos, t0, T_seq, i_hv, HV:
 
 
 @triton.jit
+def _pair_half(b_dq, b_dkr, b_dkc, s_dA, s_dL, i_p, q, k, gc, gd, rs, bos, t0, T_seq, i_h, i_hv, H: tl.constexpr,
+               HV: tl.constexpr, K: tl.constexpr, o_c, o_d, b_r, b_c, S: tl.constexpr, ANY: tl.constexpr,
+               PREC: tl.constexpr):
+    """Add a half-segment level S (prepare._anchored's pairs, row and column factors b_r, b_c [C, BS])
+    to dq, dkr and dkc as _pair_level does, with products over the C/2 tokens that hold the level's
+    pairs only: the first halves J of the S-token segments for the row terms, the second halves I
+    for the column terms ([C, C/2] x [C/2, BS] instead of [C, C] x [C, BS]; the operands of those
+    tokens reloaded and their factors recomputed). H200, B1 T8192 H64, one training step: this
+    kernel 3.03 -> 2.96 ms (safe gate), 3.47 -> 3.38 ms (softplus); H96 safe 4.56 -> 4.37 ms."""
+    C: tl.constexpr = o_c.shape[0]
+    HS: tl.constexpr = S // 2
+    o_h = tl.arange(0, C // 2)
+    o_J = (o_h // HS) * S + o_h % HS  # first halves   [C/2]
+    o_I = o_J + HS  # second halves
+    o_a = (o_J // S) * S + HS - 1  # their segments' anchors
+    b_ga = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_a, o_d)
+    b_eJ = b_ga - _c(gc, bos, t0, T_seq, i_hv, HV, K, o_J, o_d)  # G_a - G_j <= 0
+    b_eI = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_I, o_d) - b_ga  # G_i - G_a <= 0
+    if ANY:
+        b_la = _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_a, o_d, ANY)
+        b_eJ += b_la - _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_J, o_d, ANY)
+        b_eI += _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_I, o_d, ANY) - b_la
+    b_kc = _tile(k, bos, t0, T_seq, i_h, H, K, o_J, o_d) * tl.load(rs + C + o_J)[:, None] * tl.exp2(b_eJ)
+    b_rI = tl.exp2(b_eI)
+    b_qr = _tile(q, bos, t0, T_seq, i_h, H, K, o_I, o_d) * tl.load(rs + o_I)[:, None] * b_rI
+    b_kr = _tile(k, bos, t0, T_seq, i_h, H, K, o_I, o_d) * tl.load(rs + C + o_I)[:, None] * b_rI
+    seg = o_c[:, None] // S
+    o_row = i_p * C * C + o_c[:, None] * C + o_J[None, :]  # dA[i, j], lower triangle   [C, C/2]
+    m_row = (seg == (o_J // S)[None, :]) & (o_c[:, None] % S >= HS)
+    o_col = i_p * C * C + o_c[:, None] * C + o_I[None, :]  # dA[i, j] stored at (j, i), upper triangle
+    m_col = (seg == (o_I // S)[None, :]) & (o_c[:, None] % S < HS)
+    b_dq += b_r * _mm(tl.load(s_dA + o_row, mask=m_row, other=0.0), b_kc, PREC)
+    b_dkr += b_r * _mm(tl.load(s_dL + o_row, mask=m_row, other=0.0), b_kc, PREC)
+    b_col = _mm(tl.load(s_dA + o_col, mask=m_col, other=0.0), b_qr, PREC)
+    b_dkc += b_c * (b_col + _mm(tl.load(s_dL + o_col, mask=m_col, other=0.0), b_kr, PREC))
+    return b_dq, b_dkr, b_dkc
+
+
+@triton.jit
 def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, m, m_t, b_r, b_c, PREC: tl.constexpr):
     """Add a level of the pair terms i > j (mask m and its transpose m_t [C, C], row and column
-    factors b_r, b_c [C, BS], as the forward's: prepare._anchored, prepare._middle) to dq (rows of
+    factors b_r, b_c [C, BS]; here the diagonal blocks' level of prepare._middle) to dq (rows of
     dAqk), dk through the rows of dAkk (dkr) and dk through the columns of both (dkc). The [C, C]
     gradients are loaded per level, the level's entries only: as they are from the lower triangle,
     transposed from the upper one (kda_bwd_v_kernel MIRROR, kda_bwd_k_kernel WHOLE; docs/math.md
@@ -277,9 +316,10 @@ def kda_bwd_gate_chunk_kernel(
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
     ANY: tl.constexpr, SEL: tl.constexpr,
 ):
-    """Phase C after the whole-chunk stage 1 (gc from the chunk start), one
-    feature slice of a chunk: the pair terms of dAqk and dAkk as [C, C] x [C, BS] products level by
-    level, and dg as a reverse cumulative sum of dG over the chunk, its pair terms as row sums minus
+    """Phase C after the whole-chunk stage 1 (gc from the chunk start), one feature slice of a
+    chunk: the pair terms of dAqk and dAkk level by level (the half-segment levels as [C, C/2] x
+    [C/2, BS] products, _pair_half; the diagonal blocks' level as [C, C] x [C, BS], _pair_level),
+    and dg as a reverse cumulative sum of dG over the chunk, its pair terms as row sums minus
     column sums (docs/math.md section 5), the products in PREC (PAIR_PREC of the input dtype). dq
     and dk of this value head (before l2norm) replace dqg and dkd. With ANY (unbounded gates, as the
     forward's prepare.kda_fwd_intra_chunk_kernel): exact sums gc + gd, and the diagonal blocks of a
@@ -308,18 +348,18 @@ def kda_bwd_gate_chunk_kernel(
         # (the forward's chained factors, prepare._chained, made this kernel slower: H200, B1 T8192
         # H64 safe gate, 2.99 -> 3.69 ms, training step 9.08 -> 9.79 ms; H96 step 13.90 -> 14.90 ms)
         for lvl in tl.static_range(C // 32):
-            m, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, C >> lvl, ANY)
-            m_t = half_pairs(o_c[None, :], o_c[:, None], C >> lvl)
-            b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, m, m_t, b_r, b_c, PREC)
+            _, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, C >> lvl, ANY)
+            b_dq, b_dkr, b_dkc = _pair_half(b_dq, b_dkr, b_dkc, s_dA, s_dL, i_p, q, k, gc, gd, rs, bos, t0, T_seq, i_h,
+                                            i_hv, H, HV, K, o_c, o_d, b_r, b_c, C >> lvl, ANY, PREC)
         b_r, b_c = _middle(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)
         m = block_pairs(o_c[:, None], o_c[None, :], 1)
         m_t = block_pairs(o_c[None, :], o_c[:, None], 1)
         b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, m, m_t, b_r, b_c, PREC)
     else:  # every exponent <= 0: any gate
         for lvl in tl.static_range(C // 32 + 4):
-            m, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, C >> lvl, ANY)
-            m_t = half_pairs(o_c[None, :], o_c[:, None], C >> lvl)
-            b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, m, m_t, b_r, b_c, PREC)
+            _, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, C >> lvl, ANY)
+            b_dq, b_dkr, b_dkc = _pair_half(b_dq, b_dkr, b_dkc, s_dA, s_dL, i_p, q, k, gc, gd, rs, bos, t0, T_seq, i_h,
+                                            i_hv, H, HV, K, o_c, o_d, b_r, b_c, C >> lvl, ANY, PREC)
     # the diagonal of Aqk (factor e^0 = 1) reaches dq and dk only: in dG its two terms cancel exactly
     b_dAii = tl.load(s_dA + i_p * C * C + o_c * (C + 1))  # [C]
     b_dii_q = b_dAii[:, None] * b_k
