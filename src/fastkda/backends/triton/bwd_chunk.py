@@ -262,14 +262,14 @@ def _pair_half(b_dq, b_dkr, b_dkc, s_dA, s_dL, i_p, q, k, gc, gd, rs, bos, t0, T
     pairs only: the first halves J of the S-token segments for the row terms, the second halves I
     for the column terms ([C, C/2] x [C/2, BS] instead of [C, C] x [C, BS]; the operands of those
     tokens reloaded and their factors recomputed). H200, B1 T8192 H64, one training step: this
-    kernel 3.03 -> 2.96 ms (safe gate), 3.47 -> 3.38 ms (softplus); H96 safe 4.56 -> 4.37 ms."""
+    kernel 3.03 -> 2.96 ms (safe gate), 3.47 -> 3.39 ms (softplus); H96 safe 4.56 -> 4.37 ms."""
     C: tl.constexpr = o_c.shape[0]
     HS: tl.constexpr = S // 2
     o_h = tl.arange(0, C // 2)
     o_J = (o_h // HS) * S + o_h % HS  # first halves   [C/2]
     o_I = o_J + HS  # second halves
     o_a = (o_J // S) * S + HS - 1  # their segments' anchors
-    b_ga = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_a, o_d)
+    b_ga = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_a, o_d)  # [C/2, BS]
     b_eJ = b_ga - _c(gc, bos, t0, T_seq, i_hv, HV, K, o_J, o_d)  # G_a - G_j <= 0
     b_eI = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_I, o_d) - b_ga  # G_i - G_a <= 0
     if ANY:
@@ -280,11 +280,11 @@ def _pair_half(b_dq, b_dkr, b_dkc, s_dA, s_dL, i_p, q, k, gc, gd, rs, bos, t0, T
     b_rI = tl.exp2(b_eI)
     b_qr = _tile(q, bos, t0, T_seq, i_h, H, K, o_I, o_d) * tl.load(rs + o_I)[:, None] * b_rI
     b_kr = _tile(k, bos, t0, T_seq, i_h, H, K, o_I, o_d) * tl.load(rs + C + o_I)[:, None] * b_rI
-    seg = o_c[:, None] // S
+    o_sg = o_c[:, None] // S  # every row's segment   [C, 1]
     o_row = i_p * C * C + o_c[:, None] * C + o_J[None, :]  # dA[i, j], lower triangle   [C, C/2]
-    m_row = (seg == (o_J // S)[None, :]) & (o_c[:, None] % S >= HS)
+    m_row = (o_sg == (o_J // S)[None, :]) & (o_c[:, None] % S >= HS)
     o_col = i_p * C * C + o_c[:, None] * C + o_I[None, :]  # dA[i, j] stored at (j, i), upper triangle
-    m_col = (seg == (o_I // S)[None, :]) & (o_c[:, None] % S < HS)
+    m_col = (o_sg == (o_I // S)[None, :]) & (o_c[:, None] % S < HS)
     b_dq += b_r * _mm(tl.load(s_dA + o_row, mask=m_row, other=0.0), b_kc, PREC)
     b_dkr += b_r * _mm(tl.load(s_dL + o_row, mask=m_row, other=0.0), b_kc, PREC)
     b_col = _mm(tl.load(s_dA + o_col, mask=m_col, other=0.0), b_qr, PREC)
@@ -344,7 +344,7 @@ def kda_bwd_gate_chunk_kernel(
     skip, mid = chunk_form(gok, i_p, SEL, ANY)
     if skip:
         return
-    if mid:  # levels C/2 .. 32 each from its own anchor, then the diagonal blocks from the middle one
+    if mid:  # levels S = C .. 32 each from its own anchor, then the diagonal blocks from the middle one
         # (the forward's chained factors, prepare._chained, made this kernel slower: H200, B1 T8192
         # H64 safe gate, 2.99 -> 3.69 ms, training step 9.08 -> 9.79 ms; H96 step 13.90 -> 14.90 ms)
         for lvl in tl.static_range(C // 32):
