@@ -2,6 +2,7 @@
 per-token reference."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -342,7 +343,7 @@ def test_whole_chunk_any_gate(axis, split, rng, monkeypatch):
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
 def test_gates_slice_width(gate, rng, monkeypatch):
-    """The gates kernel's slice widths (prepare.GATES_SLICE, GATES_SLICE_ANY) only group its
+    """The gates kernel's slice width (prepare.GATES_SLICE_WHOLE on the whole-chunk path) only groups its
     feature columns, each summed on its own: 16 and 32 columns both match the reference and each
     other bit for bit on the CPU tier, within 5e-6 on the GPU tier (the whole-chunk path, float32;
     K = 64 on the CPU tier, 128 on the GPU tier)."""
@@ -355,8 +356,7 @@ def test_gates_slice_width(gate, rng, monkeypatch):
     kept = kept_stage1(monkeypatch)
     outs = []
     for width in (32, 16):
-        monkeypatch.setattr(prepare, "GATES_SLICE", width)
-        monkeypatch.setattr(prepare, "GATES_SLICE_ANY", width)
+        monkeypatch.setattr(prepare, "GATES_SLICE_WHOLE", width)
         with use_backend("triton"), torch.no_grad():
             o, s = chunk_kda(**x)
         assert kept[-1].ga is None and (kept[-1].gd is not None) == (gate == "softplus"), "not the whole-chunk path"
@@ -370,6 +370,71 @@ def test_gates_slice_width(gate, rng, monkeypatch):
     # (when the gates kernel still summed the row norms, 1.7e-6..2.0e-6 relative in o at B2 T1600 K128)
     check("o (16 against 32 columns)", outs[1][0], outs[0][0], 5e-6)
     check("final_state (16 against 32 columns)", outs[1][1], outs[0][1], 5e-6)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("fast", [0, 1, 2])
+def test_softplus_forms(fast, rng):
+    """common.softplus's forms against float64 on [-40, 40] and random inputs: the exact one (0) and
+    the gates kernel's for 16-bit inputs (1: tl.log2; 2: the hardware's lg2.approx, GPU only) off by
+    at most 3e-7 + 1e-7 |softplus| (absolute: the gates are summed; measured on an H200 4.6e-7 at
+    softplus 30, every form). Dropping the rounding correction or a wrong constant fails it."""
+    from triton_probes import softplus_kernel
+
+    if fast == 2 and not GPU:
+        pytest.skip("inline assembly: GPU only")
+    x = torch.cat([torch.linspace(-40.0, 40.0, 1024, dtype=torch.float64),
+                   torch.randn(1024, generator=rng, dtype=torch.float64) * 3]).float().to(DEVICE)
+    y = torch.full_like(x, float("nan"))
+    softplus_kernel[(1,)](x, y, N=x.numel(), FAST=fast)
+    want = torch.nn.functional.softplus(x.double())
+    err = (y.double() - want).abs()
+    assert bool((err <= 3e-7 + 1e-7 * want).all()), (fast, err.max().item())
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gates_exact_where_needed(dtype, rng, monkeypatch):
+    """Unbounded gates on the whole-chunk path: with split launches (16-bit inputs) the gates kernel
+    keeps plain float32 sums in the chunks that take the middle anchor with small sums (gok == 1),
+    storing no rounding errors there (gd stays as allocated: NaN under poisoning, which every
+    reader of those chunks would show), and exact sums (gc + gd) in the others, which a second pass
+    stores; float32 inputs exact sums everywhere. Against float64 sums of gates activated in float64: the kernel's
+    float32 activation is off by a few units of 2^-24 per gate, times |x| where e^-|x| is taken of
+    a rounded x = g + dt_bias (W: |gate| (|x| + 8) 2^-24 summed over the chunk), and the fast
+    softplus of 16-bit inputs by up to 3e-7 exp(A_log) more (test_softplus_forms); plain float32
+    sums add up to 63 roundings (S 2^-18, S the chunk's sum of |gate|)."""
+    from fastkda.backends.triton import prepare
+
+    assert prepare.ANY_SPLIT, "the default splits the launches of unbounded gates"
+    case = grow(Case(T=256, gate="softplus", dtype=dtype, A_log_range=(0.0, 2.0)), GPU)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    forced_gates(x, 64, ("small", "huge", "front", "small"))
+    kept = kept_stage1(monkeypatch)
+    with use_backend("triton"), torch.no_grad():
+        chunk_kda(**x)
+    p = kept[-1]
+    assert p.gd is not None and p.ga is None, "not the whole-chunk path for unbounded gates"
+    B, T, HV, K = p.gc.shape
+    NT = T // 64
+    a = x["A_log"].double().exp().view(1, 1, 1, HV, 1)
+    xin = x["g"].double() + x["dt_bias"].double().view(HV, K)
+    act = (-a.view(1, 1, HV, 1) * torch.nn.functional.softplus(xin) / math.log(2.0)).view(B, NT, 64, HV, K)
+    exact = act.cumsum(2)
+    S = act.abs().sum(2, keepdim=True)
+    W = (act.abs() * (xin.abs().view_as(act) + 8) * 2.0**-24).sum(2, keepdim=True)
+    slack = (64 * 3e-7 / math.log(2.0)) * a if dtype != torch.float32 else 0.0
+    gc, gd = p.gc.double().view(B, NT, 64, HV, K), p.gd.double().view(B, NT, 64, HV, K)
+    gok = p.gok.view(B, NT, 1, HV, 1).expand_as(gc)
+    plain = (gok == 1) if dtype != torch.float32 else torch.zeros_like(gc, dtype=torch.bool)
+    if dtype != torch.float32:
+        assert bool(plain.any()) and bool((~plain).any()), p.gok  # both forms of chunk
+    err = (gc + gd - exact).abs()
+    assert bool((err <= W + slack)[~plain].all()), err[~plain].max()
+    assert bool((gd != 0)[~plain & (S > 1e3)].any()), "no rounding errors stored in chunks of large sums"
+    assert bool(gd[plain].isnan().all()), "rounding errors stored in plain chunks"
+    err = (gc - exact).abs()
+    assert bool((err <= W + S * 2.0**-18 + slack)[plain].all()), err[plain].max()
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")

@@ -4,7 +4,7 @@ inside the tests, so that the test modules load without Triton)."""
 import triton
 import triton.language as tl
 
-from fastkda.backends.triton.common import exclusive_cumsum
+from fastkda.backends.triton.common import exclusive_cumsum, softplus
 from fastkda.backends.triton.prepare import _exact_cumsum
 
 
@@ -22,3 +22,10 @@ def exact_cumsum_kernel(x, G, E, C: tl.constexpr, BS: tl.constexpr):
     b_G, b_E = _exact_cumsum(tl.load(x + o))
     tl.store(G + o, b_G)
     tl.store(E + o, b_E)
+
+
+@triton.jit
+def softplus_kernel(x, y, N: tl.constexpr, FAST: tl.constexpr):
+    """y [N] = common.softplus(x [N], FAST)."""
+    o = tl.arange(0, N)
+    tl.store(y + o, softplus(tl.load(x + o), FAST))

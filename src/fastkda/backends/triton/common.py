@@ -20,6 +20,9 @@ LN2 = math.log(2.0)
 GATE_PREGATED = 0
 GATE_SOFTPLUS = 1
 GATE_LOWER_BOUND = 2
+# the forward gates kernel's softplus for 16-bit inputs in its fast form (softplus_form). B1 T8192
+# H64 softplus bfloat16 on an H200: BENCHMARKS.md
+FAST_SOFTPLUS = True
 
 
 @triton.jit
@@ -31,15 +34,41 @@ def log1p(x):
 
 
 @triton.jit
-def softplus(x):
-    """log(1 + e^x) without overflow or cancellation."""
-    return tl.maximum(x, 0.0) + log1p(tl.exp(-tl.abs(x)))
+def softplus(x, FAST: tl.constexpr):
+    """log(1 + e^x) without overflow or cancellation. FAST 0: log1p's (a division and tl.log); 1: with
+    t = e^-|x| and u = 1 + t rounded, log(u) + (t - (u - 1)) / u, the division (of a term below
+    2^-24) by 1.5 - u / 2 (exact at u = 1 and 2, within 12% between) and log(u) from tl.log2; 2: as 1
+    with the hardware's log2 (lg2.approx, absolute error about 2^-22 on [1, 2]: a gate off by about
+    1e-7 times its scale, for 16-bit inputs; no inline assembly in the interpreter, which takes 1)."""
+    if FAST == 0:
+        y = tl.maximum(x, 0.0) + log1p(tl.exp(-tl.abs(x)))
+    else:
+        t = tl.exp(-tl.abs(x))
+        u = 1.0 + t
+        if FAST == 2:
+            b_l = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
+                                            pack=1)
+        else:
+            b_l = tl.log2(u)
+        y = tl.maximum(x, 0.0) + (b_l * 0.6931471805599453 + (t - (u - 1.0)) * (1.5 - 0.5 * u))
+    return y
+
+
+def softplus_form(dtype: torch.dtype) -> int:
+    """softplus's FAST for the gates kernels' inputs of ``dtype``: 16-bit inputs the fast forms (the
+    plain tl twin under the interpreter), float32 ones the exact (FAST_SOFTPLUS off: always)."""
+    from ... import platform
+
+    if not FAST_SOFTPLUS or dtype == torch.float32:
+        return 0
+    return 1 if platform.triton_interpret() else 2
 
 
 @triton.jit
 def activate_gate(b_g, A_log, dt_bias, i_hv, o_k, m_k, lower_bound, GATE: tl.constexpr, HAS_A: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, K: tl.constexpr):
-    """The log-space decay of a [rows, BK] block of raw gate inputs (SPEC section 2), float32."""
+                  HAS_BIAS: tl.constexpr, K: tl.constexpr, FAST: tl.constexpr):
+    """The log-space decay of a [rows, BK] block of raw gate inputs (SPEC section 2), float32; FAST:
+    softplus's form."""
     if GATE == 0:
         return b_g
     if HAS_BIAS:
@@ -49,7 +78,7 @@ def activate_gate(b_g, A_log, dt_bias, i_hv, o_k, m_k, lower_bound, GATE: tl.con
     else:
         b_a = 1.0
     if GATE == 1:
-        return -b_a * softplus(b_g)
+        return -b_a * softplus(b_g, FAST)
     return lower_bound * tl.sigmoid(b_a * b_g)
 
 
@@ -63,7 +92,7 @@ def gate_backward(b_x, b_dy, A_log, i_hv, lower_bound, GATE: tl.constexpr, HAS_A
         b_a = 1.0
     if GATE == 1:  # y = -a softplus(x): dy/dx = -a sigmoid(x), dy/dA_log = y
         b_dx = -b_a * tl.sigmoid(b_x) * b_dy
-        return b_dx, -b_a * softplus(b_x) * b_dy
+        return b_dx, -b_a * softplus(b_x, 0) * b_dy
     # y = lb sigmoid(a x): dy/dx = lb s (1 - s) a, dy/dA_log = lb s (1 - s) a x; 1 - s is taken as
     # sigmoid(-a x): the difference cancels catastrophically once s is near 1
     b_z = b_a * b_x

@@ -24,7 +24,7 @@ def kda_gate_fwd_kernel(g, A_log, dt_bias, y, lower_bound, R, HV: tl.constexpr, 
     m = (o_r < R)[:, None] & (o_k < K)[None, :]
     p = o_r.to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
     b_g = tl.load(g + p, mask=m, other=0.0).to(tl.float32)
-    b_y = activate_gate(b_g, A_log, dt_bias, i_hv, o_k, o_k < K, lower_bound, GATE, HAS_A, HAS_BIAS, K)
+    b_y = activate_gate(b_g, A_log, dt_bias, i_hv, o_k, o_k < K, lower_bound, GATE, HAS_A, HAS_BIAS, K, 0)
     tl.store(y + p, b_y.to(y.dtype.element_ty), mask=m)
 
 
@@ -64,7 +64,7 @@ def kda_gate_cumsum_kernel(g, A_log, dt_bias, y, cu_seqlens, chunk_indices, lowe
     m = (o_t < T_seq)[:, None] & (o_k < K)[None, :]
     p = (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
     b_g = tl.load(g + p, mask=m, other=0.0).to(tl.float32)
-    b_y = activate_gate(b_g, A_log, dt_bias, i_hv, o_k, o_k < K, lower_bound, GATE, HAS_A, HAS_BIAS, K)
+    b_y = activate_gate(b_g, A_log, dt_bias, i_hv, o_k, o_k < K, lower_bound, GATE, HAS_A, HAS_BIAS, K, 0)
     b_y = tl.cumsum(tl.where(m, b_y, 0.0), 0) * scale
     tl.store(y + p, b_y.to(y.dtype.element_ty), mask=m)
 

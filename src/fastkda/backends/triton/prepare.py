@@ -21,8 +21,9 @@ training with bfloat16 inputs; ``whole_forward``, ``bwd_chunk.whole_backward``, 
 section 3):
 
     gates    (chunk, head)          gate activation, cumulative sums from the chunk start (``gc``;
-                                    unbounded gates: their rounding errors ``gd`` and the form of
-                                    the diagonal blocks ``gok``), the chunk decay (``gl``)
+                                    unbounded gates: the form of the diagonal blocks ``gok`` and
+                                    the sums' rounding errors ``gd``, for 16-bit inputs only in
+                                    the chunks that need them), the chunk decay (``gl``)
     intra    (chunk, matrix, head)  Aqk or Akk of the whole chunk, [C, C] products level by level,
                                     and the row norms (``rs``) from the q and k it reads
     inverse  (chunk, head)          X, as above
@@ -61,7 +62,7 @@ import triton.language as tl
 from ...options import GateMode
 from ...testing import new_empty
 from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tables, chunk_tables_static, dot_config,
-                     gate_launch, launch_options, mma, pow2, row_of)
+                     gate_launch, launch_options, mma, pow2, row_of, softplus_form)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (tools/sweep_launch.py, which times
 # training steps; "wu_x16", an inference launch, from forward timings: X_BF16 below); beyond,
@@ -70,13 +71,14 @@ from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tabl
 # 16-, 32-column steps were slower; so was folding the gates kernel's work into it, 1.57 ms against
 # 0.82 + 0.25, or the inverse's, 1.14 against 0.82 + 0.18, timed on a variant of the level factors
 # that took 0.82 ms itself: BENCHMARKS.md)
-# "gates_any": the gates kernel for unbounded gates on the whole-chunk path, 2 warps (B1 T8192 H64
-# softplus on the H200: 0.469 -> 0.382 ms against 4, 0.489 at 1; bounded gates keep 4: 0.224 at 2).
+# "gates_whole": the gates kernel on the whole-chunk path, 2 warps (B1 T8192 H64 softplus on the H200:
+# 0.469 -> 0.382 ms against 4, 0.489 at 1; bounded gates, with 16 columns per step, 0.207 -> 0.199 ms
+# against 4 warps and 32 columns, 0.200 at 1 warp, 0.378 at 8 columns on 1 warp, 0.225 at 32 on 2).
 # "inverse" at 1 warp and "intra" capped at 128 registers: B1 T8192 H64 on the H200, one training
 # step (0.21 -> 0.18 ms per call; softplus intra 2.83 -> 2.57 ms per call; 2.29 ms since the
 # diagonal blocks' levels, against 4.13 ms at 4 warps without the cap)
 WHOLE_ANY = True  # gates activated in the kernel, unbounded, take the whole-chunk path (whole_forward)
-LAUNCH = {"gates": (4, None), "gates_any": (2, None), "intra": (2, 128), "chunk": (4, None), "inverse": (1, None),
+LAUNCH = {"gates": (4, None), "gates_whole": (2, None), "intra": (2, 128), "chunk": (4, None), "inverse": (1, None),
           "wu": (8, None), "wu_x16": (4, None)}
 SLICE = 32  # feature columns per tile
 # unbounded gates on the whole-chunk path: the middle anchor of a chunk's diagonal 16-token blocks
@@ -93,14 +95,14 @@ LO_SPAN = tl.constexpr(512.0)
 ANY_SPLIT = True
 CHUNK_SLICE = 64  # feature columns per step of the whole-chunk intra kernel
 WU_SLICE = 32  # feature columns per w/u program (its own knob for tools/sweep_launch.py --set)
-# feature columns per step of the gates kernel: GATES_SLICE for the block path and bounded gates on
-# the whole-chunk path, GATES_SLICE_ANY for unbounded gates there (exact sums; at K = 128, bfloat16,
-# 4 warps: bounded 76 registers at 32 columns, 64 at 16; unbounded 151 and 90). On an H200, B1
-# T8192 H64: bounded 0.254 ms at 32, 0.301 at 16; unbounded 0.713 at 32, 0.630 at 16 (registers and
-# times of the kernel when it also summed the row norms of q and k). Both at most the launch's BS
-# (SLICE and V's width): larger values change nothing
+# feature columns per step of the gates kernel: GATES_SLICE for the block path, GATES_SLICE_WHOLE for
+# the whole-chunk path (at K = 128, bfloat16, 4 warps: bounded gates 76 registers at 32 columns, 64
+# at 16; unbounded 151 and 90. On an H200, B1 T8192 H64, when the kernel also summed the row norms of
+# q and k: bounded 0.254 ms at 32, 0.301 at 16; unbounded 0.713 at 32, 0.630 at 16. Since, bounded
+# gates on 2 warps ("gates_whole"): 0.199 ms at 16, 0.225 at 32; 64 columns on 4 warps 0.232, on
+# 8 0.343). Both at most the launch's BS (SLICE and V's width): larger values change nothing
 GATES_SLICE = 32
-GATES_SLICE_ANY = 16
+GATES_SLICE_WHOLE = 16
 # bfloat16 inputs: the whole-chunk intra kernel's level products from operands rounded to bfloat16
 # instead of tf32. B1 T8192 H64 on an H200: intra 0.739 -> 0.606 ms (softplus 0.783 -> 0.654), forward
 # 2.048 -> 1.916 ms, forward error against float64 3.11e-3 -> 3.69e-3 (fla-core 0.6.0: 4.10e-3).
@@ -187,11 +189,11 @@ def _bsums(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_d, LO,
 
 @triton.jit
 def _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_r, o_d,
-               GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+               GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr):
     """The activated gates (base 2, 0 on padding) of rows t0 + o_r, columns o_d: [rows, BS] float32."""
     m = ((t0 + o_r) < T_seq)[:, None] & (o_d < K)[None, :]
     b_g = _tile(g, bos, t0, T_seq, i_hv, HV, K, o_r, o_d)
-    b_g = activate_gate(b_g, A_log, dt_bias, i_hv, o_d, o_d < K, lower_bound, GATE, HAS_A, HAS_BIAS, K)
+    b_g = activate_gate(b_g, A_log, dt_bias, i_hv, o_d, o_d < K, lower_bound, GATE, HAS_A, HAS_BIAS, K, FAST)
     return tl.where(m, b_g * 1.4426950408889634, 0.0)
 
 
@@ -202,7 +204,7 @@ def _gates(g, A_log, dt_bias, gc, ga, lower_bound, bos, t0, T_seq, i_hv, o_i, HV
     cumulative sum (gc)."""
     for s in range(0, BK, BS):
         o_d = s + tl.arange(0, BS)
-        b_g = _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_i, o_d, GATE, HAS_A, HAS_BIAS)
+        b_g = _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_i, o_d, GATE, HAS_A, HAS_BIAS, 0)
         _put(ga, b_g, bos, t0, T_seq, i_hv, HV, K, o_i, o_d)
         _put(gc, tl.cumsum(b_g, 0), bos, t0, T_seq, i_hv, HV, K, o_i, o_d)
 
@@ -564,7 +566,7 @@ def kda_fwd_gates_kernel(
     q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, cu_seqlens, chunk_indices, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    WHOLE: tl.constexpr, ANY: tl.constexpr,
+    WHOLE: tl.constexpr, ANY: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
 ):
     """Block b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
     of its rows (rs). With WHOLE, the whole chunk in one program: gc holds the cumulative sums from
@@ -572,7 +574,10 @@ def kda_fwd_gates_kernel(
     (kda_fwd_intra_chunk_kernel), which reads q and k anyway. With ANY (WHOLE for unbounded
     gates) the sums are kept as float32 (gc) plus their rounding errors (gd, float16; _exact_cumsum),
     and gok says (bit 0) whether the middle anchor of the chunk's 16-token blocks keeps every
-    exponent within DIAG_SPAN (base 2) and (bit 1) whether its sums reach beyond LO_SPAN."""
+    exponent within DIAG_SPAN (base 2) and (bit 1) whether its sums reach beyond LO_SPAN. With SPLIT
+    (16-bit inputs, split_launches) the sums are plain float32 ones, except in the chunks that need
+    exact ones (gok != 1), which a second pass sums again exactly: gd is stored for those chunks
+    alone, and read there alone. FAST: the softplus form (common.softplus)."""
     NSUB: tl.constexpr = 1 if WHOLE else C // 16
     b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSUB)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
@@ -581,33 +586,42 @@ def kda_fwd_gates_kernel(
     rs += i_p * 2 * C
     if WHOLE:
         o_c = tl.arange(0, C)
-        b_span = tl.full([], 0.0, tl.float32)  # the largest middle-anchor exponent (ANY)
-        b_low = tl.full([], 0.0, tl.float32)  # the lowest cumulative gate (ANY)
         for s in range(0, BK, BS):
             o_d = s + tl.arange(0, BS)
             b_g = _activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A,
-                             HAS_BIAS)
-            if ANY:
+                             HAS_BIAS, FAST)
+            if ANY and not SPLIT:
                 b_G, b_E = _exact_cumsum(b_g)
                 _put(gd, b_E, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
             else:
                 b_G = tl.cumsum(b_g, 0)
             _put(gc, b_G, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
             tl.store(gl + i_p * K + o_d, tl.exp2(tl.sum(b_g, 0)), mask=o_d < K)
-            if ANY:
-                # the middle anchor's largest exponents, G_0 - G_8 (rows) and G_8 - G_15 (columns) of
-                # every block, and the lowest sum, G at the chunk's last token (G is non-increasing),
-                # from the rows just stored (reloaded: no reductions across the tile's threads)
-                tl.debug_barrier()  # the rows were stored by other threads (one stage: launch_options)
-                o_b = 16 * tl.arange(0, C // 16)  # the blocks' first rows
-                b_g8 = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_b + 8, o_d)  # [C // 16, BS]
-                b_half = tl.maximum(_c(gc, bos, t0, T_seq, i_hv, HV, K, o_b, o_d) - b_g8,
-                                    b_g8 - _c(gc, bos, t0, T_seq, i_hv, HV, K, o_b + 15, o_d))
-                b_span = tl.maximum(b_span, tl.max(b_half))
-                b_low = tl.minimum(b_low, tl.min(_c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)))
         if ANY:
+            # the middle anchor's largest exponents, G_0 - G_8 (rows) and G_8 - G_15 (columns) of
+            # every block, and the lowest sum, G at the chunk's last token (G is non-increasing), from
+            # the rows just stored (reloaded: no reductions across the tile's threads but the last)
+            tl.debug_barrier()  # the rows were stored by other threads (one stage: launch_options)
+            o_b = 16 * tl.arange(0, C // 16)  # the blocks' first rows
+            b_half = tl.zeros([C // 16, BS], tl.float32)
+            b_last = tl.zeros([BS], tl.float32)
+            for s in range(0, BK, BS):
+                o_d = s + tl.arange(0, BS)
+                b_g8 = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_b + 8, o_d)  # [C // 16, BS]
+                b_half = tl.maximum(b_half, tl.maximum(_c(gc, bos, t0, T_seq, i_hv, HV, K, o_b, o_d) - b_g8,
+                                                       b_g8 - _c(gc, bos, t0, T_seq, i_hv, HV, K, o_b + 15, o_d)))
+                b_last = tl.minimum(b_last, _c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d))
             # bit 0: the middle anchor; bit 1: sums beyond LO_SPAN, whose rounding errors count
-            tl.store(gok + i_p, (b_span <= DIAG_SPAN).to(tl.int32) + 2 * (b_low < -LO_SPAN).to(tl.int32))
+            f = (tl.max(b_half) <= DIAG_SPAN).to(tl.int32) + 2 * (tl.min(b_last) < -LO_SPAN).to(tl.int32)
+            tl.store(gok + i_p, f)
+            if SPLIT:
+                if f != 1:  # exact sums over the plain ones (which set f well within its bounds' margins)
+                    for s in range(0, BK, BS):
+                        o_d = s + tl.arange(0, BS)
+                        b_G, b_E = _exact_cumsum(_activated(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV,
+                                                            K, o_c, o_d, GATE, HAS_A, HAS_BIAS, FAST))
+                        _put(gc, b_G, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+                        _put(gd, b_E, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
     else:
         tb = t0 + 16 * b
         o_i = tl.arange(0, 16)
@@ -677,6 +691,15 @@ def kda_fwd_inverse_kernel(
 
 
 @triton.jit
+def _lo_rows(gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_i, o_d, m_x):
+    """The rounding errors gd (float16) at rows t0 + o_i as _c_lo, where the scalar m_x holds (the
+    chunk has them), else zeros (masked loads)."""
+    o_t = tl.minimum(t0 + o_i, T_seq - 1)
+    p = gd + (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :]
+    return tl.load(p, mask=(o_d < K)[None, :] & m_x, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _blocks_around(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, NC: tl.constexpr, o_c, o_d):
     """([C, BS], [C, BS]): for every row of the chunk, the gates of the blocks before its own and of
     those after it, sums of block sums (each block sum loaded once)."""
@@ -691,10 +714,10 @@ def _blocks_around(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_wu_kernel(
-    q, k, v, beta, gc, ga, gd, rs, xs, w, u, qg, kd, cu_seqlens, chunk_indices, scale, T,
+    q, k, v, beta, gc, ga, gd, gok, rs, xs, w, u, qg, kd, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BS: tl.constexpr,
     NSK: tl.constexpr, NSV: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr, WHOLE: tl.constexpr, ANY: tl.constexpr,
+    PREC: tl.constexpr, WHOLE: tl.constexpr, ANY: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Feature slice i_s of the chunk's w (the first NSK slices) or u (the rest, NSV), the whole
     chunk as one [C, C] x [C, BS] product (0.50 ms at B1 T8192 H64 on the H200, 8 warps; row block
@@ -723,8 +746,11 @@ def kda_fwd_wu_kernel(
             b_last = _c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)  # G at the chunk end   [BS]
             b_dG = b_last[None, :] - b_G
             if ANY:  # plus the difference of the rounding errors (docs/math.md section 3)
-                b_dG += _c_last(gd, bos, t0, T_seq, i_hv, HV, K, C, o_d).to(tl.float32)[None, :] - _c_lo(
-                    gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)
+                m_x = tl.full([], 1, tl.int1)
+                if SPLIT:  # stored for the chunks with gok != 1 alone; masked loads (a branch: 0.41 -> 0.45 ms)
+                    m_x = tl.load(gok + i_p) != 1
+                b_dG += _lo_rows(gd, bos, t0, T_seq, i_hv, HV, K, tl.full([1], C - 1, tl.int32), o_d, m_x) - _lo_rows(
+                    gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, m_x)
             b_d = tl.exp2(b_dG)
         else:  # G: own block's cumulative gates + earlier blocks'; G_last - G: the rest of the block + later blocks'
             b_before, b_after = _blocks_around(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d)
@@ -758,6 +784,7 @@ class Prepared(NamedTuple):
     chunk_offsets: torch.Tensor | None
     NT_total: int
     gd: torch.Tensor | None = None  # unbounded gates, whole chunks: gc's rounding errors (float16) [B, T, HV, K]
+    # (with split launches, 16-bit inputs, written only in the chunks whose gok != 1)
     gok: torch.Tensor | None = None  # and whether a chunk's diagonal blocks take the middle anchor [NT, HV]
 
 
@@ -853,8 +880,9 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole, t
         # slice width also stays within V's (16 columns for V <= 16)
         kda_fwd_gates_kernel[(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
             q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, H=H, K=K, BK=BK,
-            BS=min(GATES_SLICE_ANY if any_gate else GATES_SLICE, BS), L2NORM=opts.qk_l2norm, WHOLE=whole,
-            ANY=any_gate, **gate, **where, **launch_options(LAUNCH, "gates_any" if any_gate else "gates", BK, BK))
+            BS=min(GATES_SLICE_WHOLE if whole else GATES_SLICE, BS), L2NORM=opts.qk_l2norm, WHOLE=whole,
+            ANY=any_gate, SPLIT=len(split_launches(any_gate, dt)) > 1, FAST=softplus_form(dt), **gate, **where,
+            **launch_options(LAUNCH, "gates_whole" if whole else "gates", BK, BK))
         if whole:
             for any_sel, sel in split_launches(any_gate, dt):
                 kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
@@ -884,8 +912,9 @@ def fwd_wu(opts, p: Prepared, q, k, v, beta, cu_seqlens) -> Prepared:
         BS = min(WU_SLICE_X16 if low else WU_SLICE, BK, BV)
         NSK, NSV = cdiv(K, BS), cdiv(V, BS)
         kda_fwd_wu_kernel[(p.NT_total * (NSK + NSV), HV)](
-            q, k, v, beta, p.gc, p.ga, p.gd, p.rs, p.xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS, NSK=NSK,
-            NSV=NSV, PREC=_bf16_prec(dt) if low else dot_config(dt)[1], WHOLE=p.ga is None, ANY=p.gd is not None,
+            q, k, v, beta, p.gc, p.ga, p.gd, p.gok, p.rs, p.xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS,
+            NSK=NSK, NSV=NSV, PREC=_bf16_prec(dt) if low else dot_config(dt)[1], WHOLE=p.ga is None,
+            ANY=p.gd is not None, SPLIT=len(split_launches(p.gd is not None, dt)) > 1,
             SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
             **_where(opts, p, cu_seqlens), **launch_options(LAUNCH, "wu_x16" if low else "wu", BK, BV))
     return p._replace(w=w, u=u, qg=qg, kd=kd)

@@ -128,7 +128,7 @@ def kda_recurrent_kernel(
             b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
         if SIGMOID:
             b_b = tl.sigmoid(b_b) * BETA_SCALE
-        b_g = activate_gate(b_g[None, :], A_log, dt_bias, i_hv, o_k, m_k, lower_bound, GATE, HAS_A, HAS_BIAS, K)
+        b_g = activate_gate(b_g[None, :], A_log, dt_bias, i_hv, o_k, m_k, lower_bound, GATE, HAS_A, HAS_BIAS, K, 0)
         b_g = tl.sum(b_g, 0)  # back to [BK]
         b_S = b_S * tl.exp(tl.where(m_k, b_g, 0.0))[:, None]
         b_u = b_b * (b_v - tl.sum(b_S * b_k[:, None], 0))  # the delta: beta (v - S^T k)
