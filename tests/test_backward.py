@@ -291,10 +291,10 @@ def test_whole_chunk_backward(axis, rng, monkeypatch):
     if case.dtype != torch.bfloat16:
         monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", True)
     # proves which gate kernel ran
-    launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_chunk_kernel", "kda_bwd_gate_kernel")
+    launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_block_kernel", "kda_bwd_gate_kernel")
     x, got, want = grads("triton", case, rng)
     if any(t > 0 for t in (case.seqlens or (case.T,))):
-        assert launches == ["kda_bwd_gate_chunk_kernel"], launches
+        assert launches == ["kda_bwd_gate_block_kernel"], launches
     check_grads(got, want, x, tol_for(case.dtype, "triton"))
 
 
@@ -328,10 +328,10 @@ def test_whole_chunk_backward_any_gate(axis, split, rng, monkeypatch):
     case = grow(base, GPU)
     if case.dtype != torch.bfloat16:
         monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", True)
-    launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_chunk_kernel", "kda_bwd_gate_kernel")
+    launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_block_kernel", "kda_bwd_gate_kernel")
     kept = kept_stage1(monkeypatch)
     x, got, want = grads("triton", case, rng, layout=layout)
-    assert launches == ["kda_bwd_gate_chunk_kernel"] * (2 if split and case.dtype != torch.float32 else 1), launches
+    assert launches == ["kda_bwd_gate_block_kernel"] * (2 if split and case.dtype != torch.float32 else 1), launches
     if layout:  # both diagonal forms where the layout asks for them (1: middle anchor, 0: levels)
         forms = {FORMS[kind] for kind in layout}
         assert forms <= {v & 1 for v in kept[0].gok.flatten().tolist()}, (forms, kept[0].gok)
@@ -349,16 +349,16 @@ def test_whole_chunk_gradients_mirrored(chunk_size, rng, monkeypatch):
     entry written: the buffers start as NaN), and dAkk's diagonal is zero."""
     from fastkda.backends.triton import bwd_chunk
 
-    kernel, seen = bwd_chunk.kda_bwd_gate_chunk_kernel, []
+    kernel, seen = bwd_chunk.kda_bwd_gate_block_kernel, []
 
     class Capture:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                seen.append((args[12].clone(), args[13].clone()))  # s_dA, s_dL before the kernel runs
+                seen.append((args[9].clone(), args[10].clone()))  # s_dA, s_dL before the kernel runs
                 return kernel[grid](*args, **kw)
             return launch
 
-    monkeypatch.setattr(bwd_chunk, "kda_bwd_gate_chunk_kernel", Capture())
+    monkeypatch.setattr(bwd_chunk, "kda_bwd_gate_block_kernel", Capture())
     grads("triton", grow(Case(T=90, gate="safe", dtype=torch.bfloat16, chunk_size=chunk_size), GPU), rng)
     (s_dA, s_dL), = seen
     for name, M in (("dAqk", s_dA), ("dAkk", s_dL)):
@@ -377,10 +377,10 @@ def test_whole_chunk_backward_choice(dtype, exact, whole, rng, monkeypatch):
     from fastkda.backends.triton import bwd_chunk
 
     monkeypatch.setattr(bwd_chunk, "EXACT_PAIRS", exact)
-    launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_chunk_kernel", "kda_bwd_gate_kernel")
+    launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_block_kernel", "kda_bwd_gate_kernel")
     case = grow(Case(T=70, gate="safe", dtype=dtype, l2norm=True), GPU)
     x, got, want = grads("triton", case, rng)
-    assert launches == ["kda_bwd_gate_chunk_kernel" if whole else "kda_bwd_gate_kernel"], launches
+    assert launches == ["kda_bwd_gate_block_kernel" if whole else "kda_bwd_gate_kernel"], launches
     check_grads(got, want, x, tol_for(dtype, "triton"))
 
 

@@ -1,10 +1,10 @@
 """Backward stage 2, chunk-parallel: every input gradient of one chunk from the state S entering it,
 the state gradient dH at its end (stage 1 of the backward) and the forward's stage-1 tensors.
 
-Three launches over every chunk and value head, each program of the first and last also one
-part of its chunk (grids (chunks x parts, heads), common.chunk_program): phase A as state products
-per block of feature columns plus one program for the products within the chunk, phase B per
-chunk, phase C per feature slice of 32 columns. With v' = u - w S and dv' from stage 1
+Launches over every chunk and value head, each program of phase A and C also one part of its
+chunk (grids (chunks x parts, heads), common.chunk_program): phase A as state products per block
+of feature columns plus one program for the products within the chunk, phase B per chunk, phase C
+per feature slice of 32 columns (or per 16-token block and slice, then per slice). With v' = u - w S and dv' from stage 1
 (docs/math.md section 5 derives every line):
 
     phase A (contractions over V):  dqg = do S^T     dkd = v' dH^T     dw = -dv' S^T
@@ -16,9 +16,11 @@ chunk, phase C per feature slice of 32 columns. With v' = u - w S and dv' from s
     phase C (gated products):       dq, dk and dG from Aqk, Akk, qg, kd, kg and the chunk decay;
                                     dg = reverse cumulative sum of dG, through the gate activation
 
-Phase C has two kernels: per 16-token block of the chunk, its pairs summed as what survives in
-each dg (kda_bwd_gate_kernel, any gate, any dtype); or, after the whole-chunk stage 1 (bounded
-gates, bfloat16), per chunk, every pair from row and column sums (kda_bwd_gate_chunk_kernel).
+Phase C takes one of two forms: per chunk and feature slice, block by block, its pairs summed as
+what survives in each dg (kda_bwd_gate_kernel, any gate, any dtype); or, after the whole-chunk
+stage 1 (bfloat16 inputs, gates activated in the kernel or bounded), every pair from row and
+column sums, one program per 16-token block and slice (kda_bwd_gate_block_kernel: dq, dk and each
+block's part of dg) and then one per slice (kda_bwd_dg_kernel: dg across the blocks).
 
 dq and dk leave per value head (float32, before l2norm, in the buffers of dqg and dkd); ``bwd_qk``
 sums the heads of a group and applies the l2norm backward. Everything else leaves final. dA_log and dt_bias leave per-program
@@ -36,18 +38,21 @@ from .common import (block_lower, cdiv, chunk_program, dot_config, exclusive_cum
                      launch_options, out_alloc, pow2, row_of)
 from .scan import _state_ptrs
 from . import prepare
-from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _middle, _put, _tile, _x,
-                      block_pairs, chunk_form, split_launches, split_level)
+from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo, _per_block, _put, _tile, _x,
+                      chunk_form, half_pairs, split_launches, split_level)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (common.launch_options)
-# "v", "k", "gate_chunk" and the two slices below: B1 T8192 H64 safe gate, one training step on the
+# "v", "k", "gate_block", "dg" and the slices below: B1 T8192 H64 safe gate, one training step on the
 # H200 (BENCHMARKS.md: v 2.66 -> 1.56 ms at 4 warps instead of 8; k 0.94 -> 0.87 ms without the cap,
 # 1.00 ms since it also stores dAkk transposed, 0.95 ms capped at 168 registers (H96 1.51 -> 1.41 ms;
-# 192: 1.48; 4 warps: 1.06 at H64); gate_chunk 4.22 | 2.99 | 4.55 | 3.91 ms at 16 columns
-# 4 warps | 32, 4 | 32, 8 | 64, 8; 32 columns on 4 warps capped at 168 | 128 registers 4.49 | 7.27 ms,
-# on 2 warps 10.3 ms, 64 on 4 6.5 ms); "gate": B1 T8192 H64 softplus, 9.59 ms against 9.89 ms at 4 warps
-LAUNCH = {"v": (4, None), "k": (2, 168), "gate_chunk": (4, None), "gate": (2, 128)}
-GATE_CHUNK_SLICE = 32  # feature columns per program of kda_bwd_gate_chunk_kernel
+# 192: 1.48; 4 warps: 1.06 at H64); gate_block 1.79 ms at 1 warp and 32 columns, 2.82 | 2.64 at 2 | 4
+# warps, 2.44 at 4 capped at 96 registers, 2.18 at 2 capped at 168, 3.36 at 16 columns on 2 warps, 3.03
+# at 64 on 4 (the order of its stages then: 1.89 at 1 warp before); dg 0.29 ms at 64 columns on 4
+# warps, 0.33 at 32 (0.35 on 8), 0.45 at 128 on 8); "gate": B1 T8192 H64 softplus, 9.59 ms against
+# 9.89 ms at 4 warps
+LAUNCH = {"v": (4, None), "k": (2, 168), "gate": (2, 128), "gate_block": (1, None), "dg": (4, None)}
+GATE_BLOCK_SLICE = 32  # feature columns per program of kda_bwd_gate_block_kernel
+DG_SLICE = 64  # feature columns per program of kda_bwd_dg_kernel
 V_STATE_SLICE = 32  # key columns per state-product program of kda_bwd_v_kernel (1.61 ms at 64)
 # Within-block pair terms of dg: summed exactly (i >= t > j, one column at a time) or as row sums
 # minus column sums of the block's products, whose rounding leaves a residue of the cancelling
@@ -59,7 +64,7 @@ V_STATE_SLICE = 32  # key columns per state-product program of kda_bwd_v_kernel 
 # of the diagonal blocks take the input dtype's products (tf32 for 16-bit inputs), as elsewhere.
 EXACT_PAIRS = None
 # Bounded gates (safe_gate) with bfloat16 inputs take the whole-chunk path end to end: stage 1
-# (also in the training forward, whose output the backward reads) and kda_bwd_gate_chunk_kernel,
+# (also in the training forward, whose output the backward reads) and kda_bwd_gate_block_kernel,
 # which sums every pair of a chunk from row and column sums; so do gates activated in the kernel
 # (softplus, a lower-bound gate without safe_gate) with prepare.WHOLE_ANY. True/False force it on or
 # off for those gates of any dtype; None: bfloat16 only (EXACT_PAIRS=True keeps the block path).
@@ -68,7 +73,8 @@ WHOLE_BACKWARD = None
 # apart and their cancellation in dg leaves tf32's residue, inside bfloat16's budget: at extreme
 # bounded gates dg's error is 4.7e-3 against 2.5e-3 on the block path (H200, bf16, T=2048; 6.7e-3
 # while the diagonal of dAqk still ran through the products); tf32x3 kept 2.4e-3 but made the step
-# slower than the block path (17.2 against 15.6 ms at B1 T8192 H64; tf32: 13.5-13.7 ms).
+# slower than the block path (17.2 against 15.6 ms at B1 T8192 H64; tf32: 13.5-13.7 ms; both measured with
+# an earlier kernel of [C, C] products level by level).
 # float16's budget (2e-3) needs tf32x3 (docs/math.md section 5).
 PAIR_PREC = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"}
 
@@ -177,7 +183,7 @@ def kda_bwd_k_kernel(
 ):
     """Phase B: the contractions over K, row block by row block (dw is overwritten with dkg). With
     WHOLE, gc holds cumulative gates from the chunk start (the whole-chunk stage 1), and dAkk leaves
-    with its transpose in its upper triangle (for kda_bwd_gate_chunk_kernel)."""
+    with its transpose in its upper triangle (for kda_bwd_gate_block_kernel)."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
@@ -254,133 +260,162 @@ def _dg_out(g, A_log, dt_bias, dg, b_dgr, lower_bound, bos, t0, T_seq, i_hv, HV:
 
 
 @triton.jit
-def _pair_half(b_dq, b_dkr, b_dkc, s_dA, s_dL, i_p, q, k, gc, gd, rs, bos, t0, T_seq, i_h, i_hv, H: tl.constexpr,
-               HV: tl.constexpr, K: tl.constexpr, o_c, o_d, b_r, b_c, S: tl.constexpr, ANY: tl.constexpr,
-               PREC: tl.constexpr):
-    """Add a half-segment level S (prepare._anchored's pairs, row and column factors b_r, b_c [C, BS])
-    to dq, dkr and dkc as _pair_level does, with products over the C/2 tokens that hold the level's
-    pairs only: the first halves J of the S-token segments for the row terms, the second halves I
-    for the column terms ([C, C/2] x [C/2, BS] instead of [C, C] x [C, BS]; the operands of those
-    tokens reloaded and their factors recomputed). H200, B1 T8192 H64, one training step: this
-    kernel 3.03 -> 2.96 ms (safe gate), 3.47 -> 3.39 ms (softplus); H96 safe 4.56 -> 4.37 ms."""
-    C: tl.constexpr = o_c.shape[0]
-    HS: tl.constexpr = S // 2
-    o_h = tl.arange(0, C // 2)
-    o_J = (o_h // HS) * S + o_h % HS  # first halves   [C/2]
-    o_I = o_J + HS  # second halves
-    o_a = (o_J // S) * S + HS - 1  # their segments' anchors
-    b_ga = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_a, o_d)  # [C/2, BS]
-    b_eJ = b_ga - _c(gc, bos, t0, T_seq, i_hv, HV, K, o_J, o_d)  # G_a - G_j <= 0
-    b_eI = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_I, o_d) - b_ga  # G_i - G_a <= 0
-    if ANY:
-        b_la = _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_a, o_d, ANY)
-        b_eJ += b_la - _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_J, o_d, ANY)
-        b_eI += _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_I, o_d, ANY) - b_la
-    b_kc = _tile(k, bos, t0, T_seq, i_h, H, K, o_J, o_d) * tl.load(rs + C + o_J)[:, None] * tl.exp2(b_eJ)
-    b_rI = tl.exp2(b_eI)
-    b_qr = _tile(q, bos, t0, T_seq, i_h, H, K, o_I, o_d) * tl.load(rs + o_I)[:, None] * b_rI
-    b_kr = _tile(k, bos, t0, T_seq, i_h, H, K, o_I, o_d) * tl.load(rs + C + o_I)[:, None] * b_rI
-    o_sg = o_c[:, None] // S  # every row's segment   [C, 1]
-    o_row = i_p * C * C + o_c[:, None] * C + o_J[None, :]  # dA[i, j], lower triangle   [C, C/2]
-    m_row = (o_sg == (o_J // S)[None, :]) & (o_c[:, None] % S >= HS)
-    o_col = i_p * C * C + o_c[:, None] * C + o_I[None, :]  # dA[i, j] stored at (j, i), upper triangle
-    m_col = (o_sg == (o_I // S)[None, :]) & (o_c[:, None] % S < HS)
-    b_dq += b_r * _mm(tl.load(s_dA + o_row, mask=m_row, other=0.0), b_kc, PREC)
-    b_dkr += b_r * _mm(tl.load(s_dL + o_row, mask=m_row, other=0.0), b_kc, PREC)
-    b_col = _mm(tl.load(s_dA + o_col, mask=m_col, other=0.0), b_qr, PREC)
-    b_dkc += b_c * (b_col + _mm(tl.load(s_dL + o_col, mask=m_col, other=0.0), b_kr, PREC))
-    return b_dq, b_dkr, b_dkc
+def _row_gates(gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, row, o_d, ANY: tl.constexpr):
+    """(G, its rounding error; 0 without ANY) at chunk row ``row``, each [1, BS]."""
+    o_n = row + tl.zeros([1], tl.int32)
+    return (_c(gc, bos, t0, T_seq, i_hv, HV, K, o_n, o_d), _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_n, o_d, ANY))
 
 
 @triton.jit
-def _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, m, m_t, b_r, b_c, PREC: tl.constexpr):
-    """Add a level of the pair terms i > j (mask m and its transpose m_t [C, C], row and column
-    factors b_r, b_c [C, BS]; here the diagonal blocks' level of prepare._middle) to dq (rows of
-    dAqk), dk through the rows of dAkk (dkr) and dk through the columns of both (dkc). The [C, C]
-    gradients are loaded per level, the level's entries only: as they are from the lower triangle,
-    transposed from the upper one (kda_bwd_v_kernel MIRROR, kda_bwd_k_kernel WHOLE; docs/math.md
-    section 5). The diagonal of dAqk is left to the caller."""
+def _diag_terms(b_dq, b_dkr, b_dkc, b_dAd, b_dKd, m, m_t, b_q, b_k, b_r, b_c, PREC: tl.constexpr):
+    """Add one anchor's pairs (mask m, its transpose m_t [16, 16]) of a diagonal block to dq, dkr
+    (rows of dAqk, dAkk) and dkc (their columns), row factors b_r, column factors b_c [16, BS]. b_dAd
+    and b_dKd hold the block's gradients below the diagonal and their transposes above it."""
     b_kc = b_k * b_c
-    b_dq += b_r * _mm(tl.load(s_dA + o_cc, mask=m, other=0.0), b_kc, PREC)
-    b_col = _mm(tl.load(s_dA + o_cc, mask=m_t, other=0.0), b_q * b_r, PREC)
-    b_dkr += b_r * _mm(tl.load(s_dL + o_cc, mask=m, other=0.0), b_kc, PREC)
-    b_dkc += b_c * (b_col + _mm(tl.load(s_dL + o_cc, mask=m_t, other=0.0), b_k * b_r, PREC))
+    b_dq += b_r * _mm(tl.where(m, b_dAd, 0.0), b_kc, PREC)
+    b_dkr += b_r * _mm(tl.where(m, b_dKd, 0.0), b_kc, PREC)
+    b_dkc += b_c * (_mm(tl.where(m_t, b_dAd, 0.0), b_q * b_r, PREC) + _mm(tl.where(m_t, b_dKd, 0.0), b_k * b_r, PREC))
     return b_dq, b_dkr, b_dkc
 
 
 @triton.jit(do_not_specialize=["T"])
-def kda_bwd_gate_chunk_kernel(
-    q, k, g, A_log, dt_bias, gc, gd, gok, rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_dgam,
-    dg, dA_part, dbias_part, cu_seqlens, chunk_indices, scale, lower_bound, T,
+def kda_bwd_gate_block_kernel(
+    q, k, gc, gd, gok, rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_tot, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, NSK: tl.constexpr,
-    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    ANY: tl.constexpr, SEL: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, ANY: tl.constexpr, SEL: tl.constexpr,
 ):
-    """Phase C after the whole-chunk stage 1 (gc from the chunk start), one feature slice of a
-    chunk: the pair terms of dAqk and dAkk level by level (the half-segment levels as [C, C/2] x
-    [C/2, BS] products, _pair_half; the diagonal blocks' level as [C, C] x [C, BS], _pair_level),
-    and dg as a reverse cumulative sum of dG over the chunk, its pair terms as row sums minus
-    column sums (docs/math.md section 5), the products in PREC (PAIR_PREC of the input dtype). dq
-    and dk of this value head (before l2norm) replace dqg and dkd. With ANY (unbounded gates, as the
-    forward's prepare.kda_fwd_intra_chunk_kernel): exact sums gc + gd, and the diagonal blocks of a
-    chunk with gok = 0 as four half-segment levels; SEL as prepare.kda_fwd_intra_chunk_kernel's."""
-    i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK)
-    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+    """Phase C after the whole-chunk stage 1 (gc from the chunk start), part 1: 16-token block r and
+    feature slice i_s of a chunk (NC * NSK programs per chunk). The block's pairs with earlier
+    columns take the anchor at its first token n (e^(G_i - G_n) e^(G_n - G_j), both <= 1 for any
+    gate), its columns' pairs with later rows the anchor at its last token, the diagonal block the
+    middle anchor (bounded gates; unbounded ones where gok's bit 0 allows) or the four half-segment
+    levels (docs/math.md sections 3 and 5). dq and dk of this value head (before l2norm) replace dqg
+    and dkd; dg's in-block part, the reverse cumulative sum of dG plus the exclusive prefix of the
+    kd terms, replaces dkg in s_dw, and both block totals go to s_tot [slots, NC, 2, K] for
+    kda_bwd_dg_kernel. ANY: exact sums gc + gd; SEL as prepare.kda_fwd_intra_chunk_kernel's."""
+    NC: tl.constexpr = C // 16
+    i_sub, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NC * NSK)
+    r = i_sub // NSK
+    i_s = i_sub % NSK
+    if t0 + 16 * r >= T_seq:  # a block past the sequence end (or a slot past the real chunks)
         return
-    i_h = i_hv // (HV // H)
-    o_c = tl.arange(0, C)
-    o_d = i_s * BS + tl.arange(0, BS)
-    m_d = o_d < K
-    rs += i_p * 2 * C
-    # dAqk (times scale, diagonal and below) and dAkk (strictly below), each transposed above its diagonal
-    o_cc = i_p * C * C + o_c[:, None] * C + o_c[None, :]
-    b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)  # [C, BS]
-    b_L = _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)  # its rounding errors (ANY; else 0)
-    b_q = _tile(q, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + o_c)[:, None]
-    b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * tl.load(rs + C + o_c)[:, None]
-    b_dq = tl.zeros([C, BS], tl.float32)
-    b_dkr = tl.zeros([C, BS], tl.float32)
-    b_dkc = tl.zeros([C, BS], tl.float32)
     skip, mid = chunk_form(gok, i_p, SEL, ANY)
     if skip:
         return
-    if mid:  # levels S = C .. 32 each from its own anchor, then the diagonal blocks from the middle one
-        # (the forward's chained factors, prepare._chained, made this kernel slower: H200, B1 T8192
-        # H64 safe gate, 2.99 -> 3.69 ms, training step 9.08 -> 9.79 ms; H96 step 13.90 -> 14.90 ms)
-        for lvl in tl.static_range(C // 32):
-            _, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, C >> lvl, ANY)
-            b_dq, b_dkr, b_dkc = _pair_half(b_dq, b_dkr, b_dkc, s_dA, s_dL, i_p, q, k, gc, gd, rs, bos, t0, T_seq, i_h,
-                                            i_hv, H, HV, K, o_c, o_d, b_r, b_c, C >> lvl, ANY, PREC)
-        b_r, b_c = _middle(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, ANY)
-        m = block_pairs(o_c[:, None], o_c[None, :], 1)
-        m_t = block_pairs(o_c[None, :], o_c[:, None], 1)
-        b_dq, b_dkr, b_dkc = _pair_level(b_dq, b_dkr, b_dkc, s_dA, s_dL, o_cc, b_q, b_k, m, m_t, b_r, b_c, PREC)
-    else:  # every exponent <= 0: any gate
-        for lvl in tl.static_range(C // 32 + 4):
-            _, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, C >> lvl, ANY)
-            b_dq, b_dkr, b_dkc = _pair_half(b_dq, b_dkr, b_dkc, s_dA, s_dL, i_p, q, k, gc, gd, rs, bos, t0, T_seq, i_h,
-                                            i_hv, H, HV, K, o_c, o_d, b_r, b_c, C >> lvl, ANY, PREC)
-    # the diagonal of Aqk (factor e^0 = 1) reaches dq and dk only: in dG its two terms cancel exactly
-    b_dAii = tl.load(s_dA + i_p * C * C + o_c * (C + 1))  # [C]
-    b_dii_q = b_dAii[:, None] * b_k
-    b_dii_k = b_dAii[:, None] * b_q
-    # qg = scale q e^G, kd = k e^(G_last - G), kg = k e^G
-    b_last = _c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)  # G at the chunk end   [BS]
+    i_h = i_hv // (HV // H)
+    o_i = tl.arange(0, 16)
+    o_r = 16 * r + o_i  # the block's rows in the chunk
+    o_d = i_s * BS + tl.arange(0, BS)
+    m_d = o_d < K
+    rs += i_p * 2 * C
+    s_dA += i_p * C * C
+    s_dL += i_p * C * C
+    # (the order keeps few tiles live at a time: the accumulators of each loop, then the block's own)
+    # columns of this block against the rows of later blocks, anchored at the block's last token;
+    # each block above the diagonal holds the transpose of its mirror image below
+    b_dkc = tl.zeros([16, BS], tl.float32)
+    nb = tl.minimum(NC, (T_seq - t0 + 15) // 16)  # blocks holding tokens
+    if r < nb - 1:
+        b_gn, b_ln = _row_gates(gc, gd, bos, t0, T_seq, i_hv, HV, K, 16 * r + 15, o_d, ANY)
+        for i in range(r + 1, nb):
+            o_t = 16 * i + o_i
+            b_e = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_t, o_d) - b_gn  # G_i - G_n <= 0
+            if ANY:
+                b_e += _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_t, o_d, ANY) - b_ln
+            b_f = tl.exp2(b_e)
+            b_qi = _tile(q, bos, t0, T_seq, i_h, H, K, o_t, o_d) * tl.load(rs + o_t)[:, None] * b_f
+            b_ki = _tile(k, bos, t0, T_seq, i_h, H, K, o_t, o_d) * tl.load(rs + C + o_t)[:, None] * b_f
+            b_dkc += _mm(_blk(s_dA, 16 * r, 16 * i, C, o_i), b_qi, PREC)
+            b_dkc += _mm(_blk(s_dL, 16 * r, 16 * i, C, o_i), b_ki, PREC)
+        b_e = b_gn - _c(gc, bos, t0, T_seq, i_hv, HV, K, o_r, o_d)  # G_n - G_j <= 0
+        if ANY:
+            b_e += b_ln - _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_r, o_d, ANY)
+        b_dkc *= tl.exp2(b_e)
+    # rows of this block against the columns of earlier blocks, anchored at the block's first token
+    b_dq = tl.zeros([16, BS], tl.float32)
+    b_dkr = tl.zeros([16, BS], tl.float32)
+    if r > 0:
+        b_gn, b_ln = _row_gates(gc, gd, bos, t0, T_seq, i_hv, HV, K, 16 * r, o_d, ANY)
+        for j in range(r):
+            o_j = 16 * j + o_i
+            b_e = b_gn - _c(gc, bos, t0, T_seq, i_hv, HV, K, o_j, o_d)  # G_n - G_j <= 0
+            if ANY:
+                b_e += b_ln - _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_j, o_d, ANY)
+            b_kj = _tile(k, bos, t0, T_seq, i_h, H, K, o_j, o_d) * tl.load(rs + C + o_j)[:, None] * tl.exp2(b_e)
+            b_dq += _mm(_blk(s_dA, 16 * r, 16 * j, C, o_i), b_kj, PREC)
+            b_dkr += _mm(_blk(s_dL, 16 * r, 16 * j, C, o_i), b_kj, PREC)
+        b_e = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_r, o_d) - b_gn  # G_i - G_n <= 0
+        if ANY:
+            b_e += _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_r, o_d, ANY) - b_ln
+        b_f = tl.exp2(b_e)
+        b_dq *= b_f
+        b_dkr *= b_f
+    # the diagonal block: dAqk's diagonal (factor 1) reaches dq and dk only, never dG
+    b_G = _c(gc, bos, t0, T_seq, i_hv, HV, K, o_r, o_d)  # [16, BS]
+    b_L = _c_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_r, o_d, ANY)
+    b_q = _tile(q, bos, t0, T_seq, i_h, H, K, o_r, o_d) * tl.load(rs + o_r)[:, None]
+    b_k = _tile(k, bos, t0, T_seq, i_h, H, K, o_r, o_d) * tl.load(rs + C + o_r)[:, None]
+    b_dAd = _blk(s_dA, 16 * r, 16 * r, C, o_i)
+    b_dKd = _blk(s_dL, 16 * r, 16 * r, C, o_i)
+    if mid:
+        b_gm, b_lm = _row_gates(gc, gd, bos, t0, T_seq, i_hv, HV, K, 16 * r + 8, o_d, ANY)
+        b_e = b_G - b_gm + (b_L - b_lm)
+        b_dq, b_dkr, b_dkc = _diag_terms(b_dq, b_dkr, b_dkc, b_dAd, b_dKd, o_i[:, None] > o_i[None, :],
+                                         o_i[:, None] < o_i[None, :], b_q, b_k, tl.exp2(b_e), tl.exp2(-b_e), PREC)
+    else:  # unbounded gates: each half-segment level anchored where both factors are <= 1
+        for lvl in tl.static_range(4):
+            m, b_r, b_c = _anchored(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_r, o_d, 16 >> lvl, ANY)
+            m_t = half_pairs(o_r[None, :], o_r[:, None], 16 >> lvl)
+            b_dq, b_dkr, b_dkc = _diag_terms(b_dq, b_dkr, b_dkc, b_dAd, b_dKd, m, m_t, b_q, b_k, b_r, b_c, PREC)
+    b_dAii = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dAd, 0.0), 1)[:, None]  # [16, 1]
+    # qg = scale q e^G, kd = k e^(G_last - G), kg = k e^G; dq leaves first, its part of dG kept
     b_eG = tl.exp2(b_G)
-    b_dqg = _tile(s_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * (scale * b_eG)
-    b_dlast = b_last[None, :] - b_G  # G_last - G
+    b_dq += _tile(s_dqg, bos, t0, T_seq, i_hv, HV, K, o_r, o_d) * (scale * b_eG)
+    _put(s_dqg, b_dq + b_dAii * b_k, bos, t0, T_seq, i_hv, HV, K, o_r, o_d)
+    b_dG = b_q * b_dq
+    b_dkr += _tile(s_dw, bos, t0, T_seq, i_hv, HV, K, o_r, o_d) * b_eG  # dkg joins the rows' terms
+    b_dlast = _c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)[None, :] - b_G  # G_last - G
     if ANY:
         b_dlast += _c_last(gd, bos, t0, T_seq, i_hv, HV, K, C, o_d).to(tl.float32)[None, :] - b_L
-    b_dkd = _tile(s_dkd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * tl.exp2(b_dlast)
-    b_dkg = _tile(s_dw, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) * b_eG
-    _put(s_dqg, b_dq + b_dii_q + b_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-    _put(s_dkd, b_dkr + b_dkc + b_dii_k + b_dkd + b_dkg, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-    # dg_t = sum_{i >= t} dG_i + sum_{i < t} kd_i dkd_i + gl dgam (the chunk decay reaches every
-    # token); the kd terms as an exclusive prefix sum (common.exclusive_cumsum; it replaced a tf32x3
-    # product with a strictly lower [C, C] matrix, which held a quarter of the registers)
-    b_dG = b_q * (b_dq + b_dqg) + b_k * (b_dkr - b_dkc + b_dkg)
-    b_gam = tl.exp2(b_last) * tl.load(s_dgam + i_p * K + o_d, mask=m_d, other=0.0)
-    b_dgr = tl.cumsum(b_dG, 0, reverse=True) + exclusive_cumsum(b_k * b_dkd, 0) + b_gam[None, :]
+    b_dkd = _tile(s_dkd, bos, t0, T_seq, i_hv, HV, K, o_r, o_d) * tl.exp2(b_dlast)
+    _put(s_dkd, b_dkr + b_dkc + b_dAii * b_q + b_dkd, bos, t0, T_seq, i_hv, HV, K, o_r, o_d)
+    # dg_t = sum_{i >= t} dG_i + sum_{i < t} kd_i dkd_i + gl dgam over the chunk: here the block's
+    # own part of the first two sums and its totals (padding rows add zero: q = k = 0 there)
+    b_dG += b_k * (b_dkr - b_dkc)
+    b_y = b_k * b_dkd
+    _put(s_dw, tl.cumsum(b_dG, 0, reverse=True) + exclusive_cumsum(b_y, 0), bos, t0, T_seq, i_hv, HV, K, o_r, o_d)
+    s_tot += (i_p * NC + r) * 2 * K
+    tl.store(s_tot + o_d, tl.sum(b_dG, 0), mask=m_d)
+    tl.store(s_tot + K + o_d, tl.sum(b_y, 0), mask=m_d)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_dg_kernel(
+    g, A_log, dt_bias, gc, s_dw, s_tot, s_dgam, dg, dA_part, dbias_part, cu_seqlens, chunk_indices, lower_bound, T,
+    HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, NSK: tl.constexpr, GATE: tl.constexpr,
+    HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """Phase C, part 2 (after kda_bwd_gate_block_kernel), one feature slice of a chunk: dg_t = the
+    block's part (s_dw) + the dG totals of the later blocks + the kd totals of the earlier ones +
+    gl dgam, through the gate activation, and the partial sums of dA_log and dt_bias."""
+    NC: tl.constexpr = C // 16
+    i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
+    o_c = tl.arange(0, C)
+    o_b = tl.arange(0, NC)
+    o_d = i_s * BS + tl.arange(0, BS)
+    m_d = o_d < K
+    m_b = (t0 + 16 * o_b < T_seq)[:, None] & m_d[None, :]  # blocks holding tokens (the others wrote nothing)
+    p_t = s_tot + (i_p * NC + o_b)[:, None] * (2 * K) + o_d[None, :]
+    b_R = tl.load(p_t, mask=m_b, other=0.0)  # [NC, BS]: sum of dG over each block
+    b_Y = tl.load(p_t + K, mask=m_b, other=0.0)  # and of the kd terms
+    m_after = o_b[None, :, None] > o_b[:, None, None]  # [NC, NC, 1]: block b' after block b
+    b_after = tl.sum(tl.where(m_after, b_R[None, :, :], 0.0), 1)  # sum over b' > b   [NC, BS]
+    b_before = tl.sum(tl.where(o_b[None, :, None] < o_b[:, None, None], b_Y[None, :, :], 0.0), 1)
+    b_gam = tl.exp2(_c_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d)) * tl.load(s_dgam + i_p * K + o_d, mask=m_d,
+                                                                                   other=0.0)
+    b_dgr = _tile(s_dw, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + _per_block(b_after + b_before, C) + b_gam[None, :]
     b_sA, b_sb = _dg_out(g, A_log, dt_bias, dg, b_dgr, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, GATE, HAS_A,
                          HAS_BIAS)
     if HAS_BIAS:
@@ -618,15 +653,21 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
             H=H, K=K, BK=BK, BS=BS, WHOLE=whole, **beta_kw, **where, **launch_options(LAUNCH, "k", BK, BV))
         gate = gate_launch(opts, x.A_log, x.dt_bias)
         if whole:
-            BSC = min(GATE_CHUNK_SLICE, BK)
-            NSC = cdiv(K, BSC)
-            dA_part = alloc(NT, HV, NSC, **f32) if x.A_log is not None else None
+            BSB = min(GATE_BLOCK_SLICE, BK)
+            NSB = cdiv(K, BSB)
+            s_tot = new_empty(NT, HV, C // 16, 2, K, **f32)  # per block: sums of dG and of the kd terms
             for any_sel, sel in split_launches(p.gd is not None, x.q.dtype):
-                kda_bwd_gate_chunk_kernel[(NT * NSC, HV)](
-                    x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.gd, p.gok, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL,
-                    s_dgam, dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=BSC, NSK=NSC, ANY=any_sel,
-                    SEL=sel, **gate, **{**where, "PREC": PAIR_PREC[x.q.dtype]},
-                    **launch_options(LAUNCH, "gate_chunk", BK, BV))
+                kda_bwd_gate_block_kernel[(NT * (C // 16) * NSB, HV)](
+                    x.q, x.k, p.gc, p.gd, p.gok, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_tot, scale=opts.scale, H=H,
+                    K=K, BS=BSB, NSK=NSB, ANY=any_sel, SEL=sel, **{**where, "PREC": PAIR_PREC[x.q.dtype]},
+                    **launch_options(LAUNCH, "gate_block", BK, BV))
+            BSG = min(DG_SLICE, BK)
+            NSG = cdiv(K, BSG)
+            dA_part = alloc(NT, HV, NSG, **f32) if x.A_log is not None else None
+            kda_bwd_dg_kernel[(NT * NSG, HV)](
+                x.g, x.A_log, x.dt_bias, p.gc, s_dw, s_tot, s_dgam, dg, dA_part, dbias_part, K=K, BS=BSG, NSK=NSG,
+                **gate, **{n: where[n] for n in ("cu_seqlens", "chunk_indices", "T", "HV", "C", "IS_VARLEN")},
+                **launch_options(LAUNCH, "dg", BK, BV))
         else:
             dA_part = alloc(NT, HV, NSK, **f32) if x.A_log is not None else None
             exact = EXACT_PAIRS if EXACT_PAIRS is not None else x.q.dtype == torch.float32
