@@ -291,10 +291,11 @@ def test_whole_chunk_backward(axis, rng, monkeypatch):
     if case.dtype != torch.bfloat16:
         monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", True)
     # proves which gate kernel ran
-    launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_block_kernel", "kda_bwd_gate_kernel")
+    launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_block_kernel", "kda_bwd_dg_kernel",
+                            "kda_bwd_gate_kernel")
     x, got, want = grads("triton", case, rng)
     if any(t > 0 for t in (case.seqlens or (case.T,))):
-        assert launches == ["kda_bwd_gate_block_kernel"], launches
+        assert launches == ["kda_bwd_gate_block_kernel", "kda_bwd_dg_kernel"], launches
     check_grads(got, want, x, tol_for(case.dtype, "triton"))
 
 
@@ -328,10 +329,13 @@ def test_whole_chunk_backward_any_gate(axis, split, rng, monkeypatch):
     case = grow(base, GPU)
     if case.dtype != torch.bfloat16:
         monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", True)
-    launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_block_kernel", "kda_bwd_gate_kernel")
+    launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_block_kernel", "kda_bwd_dg_kernel",
+                            "kda_bwd_gate_kernel")
     kept = kept_stage1(monkeypatch)
     x, got, want = grads("triton", case, rng, layout=layout)
-    assert launches == ["kda_bwd_gate_block_kernel"] * (2 if split and case.dtype != torch.float32 else 1), launches
+    # the block kernel once per launch of the split pair (prepare.split_launches), then one dg pass
+    blocks = ["kda_bwd_gate_block_kernel"] * (2 if split and case.dtype != torch.float32 else 1)
+    assert launches == [*blocks, "kda_bwd_dg_kernel"], launches
     if layout:  # both diagonal forms where the layout asks for them (1: middle anchor, 0: levels)
         forms = {FORMS[kind] for kind in layout}
         assert forms <= {v & 1 for v in kept[0].gok.flatten().tolist()}, (forms, kept[0].gok)

@@ -4,7 +4,7 @@ the state gradient dH at its end (stage 1 of the backward) and the forward's sta
 Launches over every chunk and value head, each program of phase A and C also one part of its
 chunk (grids (chunks x parts, heads), common.chunk_program): phase A as state products per block
 of feature columns plus one program for the products within the chunk, phase B per chunk, phase C
-per feature slice of 32 columns (or per 16-token block and slice, then per slice). With v' = u - w S and dv' from stage 1
+per feature slice (or per 16-token block and slice, then per slice). With v' = u - w S and dv' from stage 1
 (docs/math.md section 5 derives every line):
 
     phase A (contractions over V):  dqg = do S^T     dkd = v' dH^T     dw = -dv' S^T
@@ -45,11 +45,11 @@ from .prepare import (SLICE, _anchored, _beta, _blk, _bsums, _c, _c_last, _c_lo,
 # "v", "k", "gate_block", "dg" and the slices below: B1 T8192 H64 safe gate, one training step on the
 # H200 (BENCHMARKS.md: v 2.66 -> 1.56 ms at 4 warps instead of 8; k 0.94 -> 0.87 ms without the cap,
 # 1.00 ms since it also stores dAkk transposed, 0.95 ms capped at 168 registers (H96 1.51 -> 1.41 ms;
-# 192: 1.48; 4 warps: 1.06 at H64); gate_block 1.79 ms at 1 warp and 32 columns, 2.82 | 2.64 at 2 | 4
-# warps, 2.44 at 4 capped at 96 registers, 2.18 at 2 capped at 168, 3.36 at 16 columns on 2 warps, 3.03
-# at 64 on 4 (the order of its stages then: 1.89 at 1 warp before); dg 0.29 ms at 64 columns on 4
-# warps, 0.33 at 32 (0.35 on 8), 0.45 at 128 on 8); "gate": B1 T8192 H64 softplus, 9.59 ms against
-# 9.89 ms at 4 warps
+# 192: 1.48; 4 warps: 1.06 at H64); gate_block 1.79 ms at 1 warp and 32 columns, 2.18 at 2 warps
+# capped at 168 registers; before its stages were reordered (1.89 at 1 warp): 2.82 | 2.64 at 2 | 4
+# warps, 2.44 at 4 capped at 96, 3.36 at 16 columns on 2 warps, 3.03 at 64 on 4; dg 0.29 ms at 64
+# columns on 4 warps, 0.33 at 32 (0.35 on 8), 0.45 at 128 on 8); "gate": B1 T8192 H64 softplus,
+# 9.59 ms against 9.89 ms at 4 warps
 LAUNCH = {"v": (4, None), "k": (2, 168), "gate": (2, 128), "gate_block": (1, None), "dg": (4, None)}
 GATE_BLOCK_SLICE = 32  # feature columns per program of kda_bwd_gate_block_kernel
 DG_SLICE = 64  # feature columns per program of kda_bwd_dg_kernel
