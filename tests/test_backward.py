@@ -161,6 +161,31 @@ def test_scan_width_training(name, bv, rng, monkeypatch):
 
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("name", ["bf16_whole_varlen", "softplus_varlen", "f32"])
+def test_scan_crowded_width(name, rng, monkeypatch):
+    """Both state scans at 128 value columns per program (scan.SCAN_BV_CROWDED, off by default,
+    bwd_scan.BWD_SCAN_BV_CROWDED: taken where 64-column programs would outnumber the SMs, here one
+    as many SMs as heads) with one pipeline stage fewer (8 warps for keys of 128): every gradient of
+    a training step against the float64 reference; both launches one program per head."""
+    from fastkda import platform
+    from fastkda.backends.triton import bwd_scan, scan
+
+    case = grow(RECOMPUTE_CASES[name], GPU).replace(V=128)
+    heads = (len(case.seqlens) if case.seqlens is not None else case.B) * (case.HV or case.H)
+    monkeypatch.setattr(platform, "sm_count", lambda dev: heads)
+    monkeypatch.setattr(scan, "SCAN_BV_CROWDED", 128)  # off by default (scan.py); the option still works
+    fwd = spy_launches(monkeypatch, scan, "kda_fwd_scan_kernel", grids=True, options=("num_warps", "num_stages"))
+    bwd = spy_launches(monkeypatch, bwd_scan, "kda_bwd_scan_kernel", grids=True, options=("num_warps", "num_stages"))
+    x, got, want = grads("triton", case, rng)
+    check_grads(got, want, x, tol_for(case.dtype, "triton"))
+    fwd_kw = {"num_warps": 8 if case.K > 64 else 4, "num_stages": 2 if case.dtype != torch.float32 else 1}
+    bwd_kw = {**fwd_kw, "num_warps": 8}
+    assert len(fwd) == 2 and len(bwd) == 1, (fwd, bwd)  # the forward and the backward's recomputation
+    assert all(g == (1, heads) and kw == fwd_kw for g, kw in fwd), fwd
+    assert all(g == (1, heads) and kw == bwd_kw for g, kw in bwd), bwd
+
+
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("name,disable_recompute", [*((n, False) for n in RECOMPUTE_CASES),
                                                      ("bf16_whole", True), ("softplus_varlen", True)])
 def test_triton_recompute_launches(name, disable_recompute, rng, monkeypatch):

@@ -164,17 +164,19 @@ def test_split_output_default_choice(B, T, H, split):
     assert scan._split(opts, B * -(-T // 64)) is split
 
 
-@pytest.mark.parametrize("B,T,H,HV,bv,stages", [
-    (1, 32768, 16, 16, 32, 3), (1, 8192, 32, 32, 32, 3), (1, 8192, 64, 64, 64, 3), (2, 8192, 32, 32, 64, 3),
-    (1, 2048, 96, 96, 64, 1), (2, 1024, 64, 64, 64, 1), (1, 1024, 66, 66, 64, 3), (1, 1024, 67, 67, 64, 1),
-    (1, 1024, 33, 33, 32, 3), (1, 1024, 34, 34, 64, 3), (1, 1024, 2, 64, 64, 3), (1, 1024, 8, 32, 32, 3)])
-def test_scan_width_default_choice(B, T, H, HV, bv, stages, monkeypatch):
+@pytest.mark.parametrize("B,T,H,HV,bv,stages,stages32", [
+    (1, 32768, 16, 16, 32, 3, 2), (1, 8192, 32, 32, 32, 3, 2), (1, 8192, 64, 64, 64, 3, 2),
+    (2, 8192, 32, 32, 64, 3, 2), (1, 2048, 96, 96, 64, 1, 1), (2, 1024, 64, 64, 64, 1, 1),
+    (1, 1024, 66, 66, 64, 3, 2), (1, 1024, 67, 67, 64, 1, 1),
+    (1, 1024, 33, 33, 32, 3, 2), (1, 1024, 34, 34, 64, 3, 2), (1, 1024, 2, 64, 64, 3, 2), (1, 1024, 8, 32, 32, 3, 2)])
+def test_scan_width_default_choice(B, T, H, HV, bv, stages, stages32, monkeypatch):
     """The scan's value columns per program (scan.SCAN_BV, SCAN_BV_NARROW): narrow while wide
     programs (sequences x value heads x V / 64) would fill at most half the SMs (an H200's 132 where
     the device does not say: 66 programs narrow, 68 wide), following the SM count; keys wider than
     128 keep 64 columns. Its pipeline stages: SCAN_STAGES_CROWDED (1) once the programs outnumber
-    the SMs (132 programs 3 stages, 134 one), at most 2 for float32 inputs. Shapes only: meta
-    tensors."""
+    the SMs (132 programs 3 stages, 134 one), at most 2 for float32 inputs. With SCAN_BV_CROWDED
+    (off by default) 128 columns where 64-column programs would outnumber the SMs, one stage fewer
+    (one for float32). Shapes only: meta tensors."""
     from fastkda import platform
     from fastkda.backends.triton import scan
 
@@ -185,26 +187,38 @@ def test_scan_width_default_choice(B, T, H, HV, bv, stages, monkeypatch):
     assert platform.sm_count(cpu) == 132
     assert scan._scan_bv(opts, cpu) == bv
     assert scan._scan_stages(opts, bv, 128, t, cpu) == stages
-    assert scan._scan_stages(opts, bv, 128, t.float(), cpu) == min(stages, 2)
+    assert scan._scan_stages(opts, bv, 128, t.float(), cpu) == stages32
     monkeypatch.setattr(platform, "sm_count", lambda dev: 4 * 132)  # four times the SMs: wide programs now too few
     assert scan._scan_bv(opts, cpu) == (32 if B * HV * 2 <= 264 else 64)
     assert scan._scan_stages(opts, bv, 128, t, cpu) == 3
+    monkeypatch.undo()
+    monkeypatch.setattr(scan, "SCAN_BV_CROWDED", 128)
+    if B * HV * 2 > 132:
+        assert scan._scan_bv(opts, cpu) == 128
+        crowded = B * HV > 132
+        assert scan._scan_stages(opts, 128, 128, t, cpu) == (1 if crowded else 2)
+        assert scan._scan_stages(opts, 128, 128, t.float(), cpu) == 1
+    else:
+        assert scan._scan_bv(opts, cpu) == bv
     monkeypatch.undo()
     wide = torch.empty(B, T, H, 256, device="meta", dtype=torch.bfloat16)
     opts, _ = plain_options(dict(q=wide, k=wide, v=tv, g=torch.empty(B, T, HV, 256, device="meta"), beta=tv[..., 0]))
     assert scan._scan_bv(opts, cpu) == 64
 
 
+@pytest.mark.parametrize("crowded", [None, 128])
 @pytest.mark.parametrize("sms", [8, 132, 528])
-def test_scan_narrow_never_crowded(sms, monkeypatch):
+def test_scan_narrow_never_crowded(sms, crowded, monkeypatch):
     """32-column scan programs always keep the pipelined loop: _scan_bv picks them only where they
     number at most the SMs, so _scan_stages never gives them SCAN_STAGES_CROWDED (forced, 32
-    columns at one stage faulted on an H200: scan.py). Every value-head count until 64-column
-    programs number about 4x the SMs."""
+    columns at one stage faulted on an H200: scan.py); 128-column ones only where 64-column ones
+    would outnumber the SMs. Every value-head count until 64-column programs number about 4x the
+    SMs."""
     from fastkda import platform
     from fastkda.backends.triton import scan
 
     monkeypatch.setattr(platform, "sm_count", lambda dev: sms)
+    monkeypatch.setattr(scan, "SCAN_BV_CROWDED", crowded)
     cpu = torch.device("cpu")
     seen = set()
     for hv in range(1, 2 * sms + 2):
@@ -216,7 +230,8 @@ def test_scan_narrow_never_crowded(sms, monkeypatch):
         if bv == scan.SCAN_BV_NARROW:
             assert scan._programs(opts, bv) <= sms, hv
             assert scan._scan_stages(opts, bv, 128, t, cpu) == scan.SCAN_STAGES, hv
-    assert seen == {32, 64}
+        assert (bv == 128) == (crowded is not None and scan._programs(opts, scan.SCAN_BV) > sms), hv
+    assert seen == ({32, 64} if crowded is None else {32, 64, 128})
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from ...testing import new_empty
-from .common import cdiv, mma, pow2, scan_stages, sequence_location
+from ... import platform
+from .common import cdiv, mma, pow2, scan_stages, scan_warps, sequence_location
 from .scan import _state_ptrs, chunk_operands
 
 BWD_SCAN_BV = 64
@@ -28,6 +29,9 @@ BWD_SCAN_WARPS = 8  # 4 spill registers at K = V = 128
 # products; float32 inputs at most 2 stages): B1 T8192 H64 on the H200 0.718 -> 0.637 -> 0.612 ms
 # per call at 1, 2, 3 stages (BENCHMARKS.md)
 BWD_SCAN_STAGES = 3
+# value columns per program where BWD_SCAN_BV-wide programs would outnumber the SMs (None: keep
+# BWD_SCAN_BV), as scan.SCAN_BV_CROWDED
+BWD_SCAN_BV_CROWDED = 128
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -84,11 +88,13 @@ def bwd_scan(opts, qg, w, kd, Aqk, gl, do, dht, cu_seqlens, chunk_offsets, NT_to
     dh0 = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev) if want_dh0 else None
     BK = pow2(K)
     BV = min(pow2(V), BWD_SCAN_BV if BK <= 128 else 32)  # wider keys: fewer registers per program
+    if BK <= 128 and BWD_SCAN_BV_CROWDED and cdiv(V, BV) * N * HV > platform.sm_count(dev):
+        BV = min(pow2(V), BWD_SCAN_BV_CROWDED)
     if N * HV > 0:
         kda_bwd_scan_kernel[(cdiv(V, BV), N * HV)](
             qg, w, kd, Aqk, gl, do, dht, dhs, dh0, dvn, cu_seqlens, chunk_offsets, T,
             HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=want_dh0,
             V_FIRST=opts.state_v_first, IS_VARLEN=cu_seqlens is not None, DT=DT, PREC=PREC, EMU=EMU,
-            num_warps=BWD_SCAN_WARPS, num_stages=scan_stages(BWD_SCAN_STAGES, BK, w),
+            num_warps=scan_warps(BWD_SCAN_WARPS, BK, BV), num_stages=scan_stages(BWD_SCAN_STAGES, BK, BV, w),
         )
     return dhs, dvn, dh0

@@ -270,12 +270,21 @@ def launch_options(table: dict, name: str, BK: int, BV: int) -> dict:
     return dict(num_warps=warps, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
-def scan_stages(stages: int, BK: int, x: torch.Tensor) -> int:
+def scan_stages(stages: int, BK: int, BV: int, x: torch.Tensor) -> int:
     """Pipeline stages of a state scan's chunk loop: ``stages`` for keys up to 128 and 16-bit
-    operands, at most 2 for float32 ones (twice the shared memory per stage), 1 for wider keys."""
+    operands, at most 2 for float32 ones (twice the shared memory per stage), 1 for wider keys.
+    Programs wider than 64 value columns take one stage fewer, one for float32 (each stage holds
+    a wider [C, BV] tile: 128 columns at 3 stages asked 232 KB of shared memory on an H200, over
+    its 227 KB)."""
     if BK > 128:
         return 1
-    return stages if x.element_size() <= 2 else min(stages, 2)
+    stages = stages if x.element_size() <= 2 else min(stages, 2)
+    return stages if BV <= 64 else max(1, stages - 1 if x.element_size() <= 2 else 1)
+
+
+def scan_warps(warps: int, BK: int, BV: int) -> int:
+    """Warps of a state scan's program: ``warps`` up to a [128, 64] state, 8 beyond (registers)."""
+    return warps if BK * BV <= 128 * 64 else max(warps, 8)
 
 
 # Host-side sizes in plain Python: triton.next_power_of_2 and triton.cdiv are constexpr functions,

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ... import platform
 from ...testing import new_empty
-from .common import cdiv, chunk_program, mma, out_alloc, pow2, scan_stages, sequence_location
+from .common import cdiv, chunk_program, mma, out_alloc, pow2, scan_stages, scan_warps, sequence_location
 
 # launch configuration (module-level so that benchmarks can compare variants)
 # o leaves the scan for a chunk-parallel kernel (kda_fwd_output_kernel) when the scan is long and
@@ -34,7 +34,13 @@ OUT_BV = 64
 SCAN_BV = 64
 SCAN_BV_NARROW = 32
 SCAN_BV_WIDE_KEYS = 64  # keys wider than 128, whatever the program count (_scan_bv)
-SCAN_WARPS = 4
+SCAN_WARPS = 4  # 8 for programs wider than 128 x 64 (keys beyond 128, or SCAN_BV_CROWDED)
+# value columns per program where SCAN_BV-wide programs would outnumber the SMs (None: SCAN_BV):
+# fewer, wider programs, each reading its chunk's w, qg, kd and Aqk once for more value columns.
+# Off: 128 columns on 8 warps at 2 stages made the inference forward slower on an H200 (same run
+# against the previous table's one-stage 64-column programs: B1 T8192 H96 2.696 -> 2.734 ms,
+# varlen H96 2.601 -> 2.673, B2 T8192 H64 3.318 -> 3.441; BENCHMARKS.md)
+SCAN_BV_CROWDED = None
 # pipeline stages of the chunk loop for K <= 128 and 16-bit inputs (float32 inputs: at most 2; wider
 # keys run unpipelined on 8 warps, for shared memory): B1 T8192 H64 on the H200, the two calls of
 # one training step 0.787 -> 0.749 ms at 3 stages instead of 2 (BENCHMARKS.md)
@@ -165,6 +171,8 @@ def _scan_bv(opts, dev: torch.device) -> int:
         bv = SCAN_BV_WIDE_KEYS
     elif _programs(opts, SCAN_BV) <= platform.sm_count(dev) // 2:
         bv = SCAN_BV_NARROW
+    elif SCAN_BV_CROWDED and _programs(opts, SCAN_BV) > platform.sm_count(dev):
+        bv = SCAN_BV_CROWDED
     else:
         bv = SCAN_BV
     return min(pow2(s.V), bv)
@@ -173,7 +181,7 @@ def _scan_bv(opts, dev: torch.device) -> int:
 def _scan_stages(opts, BV: int, BK: int, x: torch.Tensor, dev: torch.device) -> int:
     """Pipeline stages of the forward scan's chunk loop (SCAN_STAGES_CROWDED beyond one program per SM)."""
     crowded = _programs(opts, BV) > platform.sm_count(dev)
-    return scan_stages(SCAN_STAGES_CROWDED if crowded else SCAN_STAGES, BK, x)
+    return scan_stages(SCAN_STAGES_CROWDED if crowded else SCAN_STAGES, BK, BV, x)
 
 
 def _split(opts, NT_total: int) -> bool:
@@ -218,7 +226,7 @@ def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep
             HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
             STORE_H=h is not None, STORE_O=o_scan is not None, STORE_VN=vn is not None, V_FIRST=opts.state_v_first,
             H_V_FIRST=opts.state_v_first and not (keep or split), IS_VARLEN=cu_seqlens is not None, DT=DT, PREC=PREC,
-            EMU=EMU, num_warps=SCAN_WARPS if BK <= 128 else 8, num_stages=_scan_stages(opts, BV, BK, p.w, dev),
+            EMU=EMU, num_warps=scan_warps(SCAN_WARPS, BK, BV), num_stages=_scan_stages(opts, BV, BK, p.w, dev),
         )
     if split and p.NT_total > 0:
         BVO = min(pow2(V), OUT_BV)
