@@ -5,9 +5,9 @@ chunk matrices Aqk and Akk, the inverse X: ``prepare.fwd_intra``) and the backwa
 cheap rest (w, u, q e^G, k e^(G_last - G): ``prepare.fwd_wu``) and the state scan.
 
 Held from the forward to the backward beyond the inputs, per token and value head, K = V = 128,
-C = 64, bf16 inputs (bytes): gc (512), Akk and X (512), Aqk (128), the row norms and chunk decays
-(16): 1168 B on the whole-chunk path (unbounded gates: plus gc's rounding errors gd, 256), 1680 B
-on the block path (plus ga, 512).
+C = 64, bf16 inputs (bytes): gc (512), Akk and X (512), X's bfloat16 copy for the w/u kernel (128,
+``prepare.X_BF16_TRAIN``), Aqk (128), the row norms and chunk decays (16): 1296 B on the whole-chunk
+path (unbounded gates: plus gc's rounding errors gd, 256), 1808 B on the block path (plus ga, 512).
 ``disable_recompute=True`` keeps w, u, qg, kd and the scan's h, v' as well (1792 B more). The
 compiled operator (``chunk_kda_vjp``, ``fastkda.library``) keeps nothing and recomputes all of
 stage 1.
@@ -82,8 +82,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         p, o, ht, h, vn = forward_stages(opts, x, keep=opts.disable_recompute, train=True)
         poison(bad, o, ht)
         if opts.disable_recompute:  # stage 1's tensors, the scan's h, v'
-            return (o, ht, *p[:11], p.gd, p.gok, h, vn)
-        return (o, ht, None, None, None, None, *p[4:11], p.gd, p.gok)  # fwd_intra's part of stage 1
+            return (o, ht, *p[:11], p.gd, p.gok, p.xh, h, vn)
+        return (o, ht, None, None, None, None, *p[4:11], p.gd, p.gok, p.xh)  # fwd_intra's part of stage 1
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -107,8 +107,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         if do is None:  # a loss of the final state alone (o has v's shape and dtype)
             do = torch.zeros_like(x.v)
         need_dh0 = h0 is not None and ctx.needs_input_grad[9]
-        p = Prepared(*kept[:11], *chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu), *kept[11:13])
-        stage = [p, *kept[13:]] if opts.disable_recompute else _recompute(opts, x, p)
+        p = Prepared(*kept[:11], *chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu), *kept[11:14])
+        stage = [p, *kept[14:]] if opts.disable_recompute else _recompute(opts, x, p)
         del kept, p
         return gradients(opts, x, stage, do, dht, need_dh0, bad)
 

@@ -11,7 +11,8 @@ kernel activates or bounds):
     intra    (chunk, block, head)   row block r of Aqk and Akk (diagonal block and the blocks
                                     against earlier ones)
     inverse  (chunk, head)          X = (I + Diag(beta) Akk)^-1 (float32; bfloat16 for bfloat16
-                                    inputs in inference, X_BF16) and the chunk decay
+                                    inputs in inference, X_BF16, and a bfloat16 copy beside the
+                                    float32 X in training, X_BF16_TRAIN) and the chunk decay
     wu       (chunk, slice, head)   one feature slice of w or u; the w slices also write q e^G and
                                     k e^(G_last - G)
 
@@ -74,11 +75,12 @@ from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tabl
 # "gates_whole": the gates kernel on the whole-chunk path, 2 warps (B1 T8192 H64 softplus on the H200:
 # 0.469 -> 0.382 ms against 4, 0.489 at 1; bounded gates, with 16 columns per step, 0.207 -> 0.199 ms
 # against 4 warps and 32 columns, 0.200 at 1 warp, 0.378 at 8 columns on 1 warp, 0.225 at 32 on 2).
-# "inverse" at 1 warp and "intra" capped at 128 registers: B1 T8192 H64 on the H200, one training
-# step (0.21 -> 0.18 ms per call; softplus intra 2.83 -> 2.57 ms per call; 2.29 ms since the
-# diagonal blocks' levels, against 4.13 ms at 4 warps without the cap)
+# "intra" capped at 128 registers: B1 T8192 H64 on the H200, one training step (softplus intra
+# 2.83 -> 2.57 ms per call; 2.29 ms since the diagonal blocks' levels, against 4.13 ms at 4 warps
+# without the cap). "inverse" on 2 warps: its blocks of L and X held in registers take 254
+# registers and no spills there (1 warp: 255 and a 376-byte spill stack; offline sm_90 compile)
 WHOLE_ANY = True  # gates activated in the kernel, unbounded, take the whole-chunk path (whole_forward)
-LAUNCH = {"gates": (4, None), "gates_whole": (2, None), "intra": (2, 128), "chunk": (4, None), "inverse": (1, None),
+LAUNCH = {"gates": (4, None), "gates_whole": (2, None), "intra": (2, 128), "chunk": (4, None), "inverse": (2, None),
           "wu": (8, None), "wu_x16": (4, None)}
 SLICE = 32  # feature columns per tile
 # unbounded gates on the whole-chunk path: the middle anchor of a chunk's diagonal 16-token blocks
@@ -119,6 +121,10 @@ BF16_PRODUCTS = True
 # against float64 3.69e-3 -> 3.99e-3 (fla-core 0.6.0, which keeps its inverse in bfloat16: 4.10e-3)
 X_BF16 = True
 WU_SLICE_X16 = 64
+# training with bfloat16 inputs: the inverse kernel also stores X as bfloat16 (xh) for the w/u kernel
+# (forward and the backward's recomputation), so that training runs the w/u products of inference
+# (X_BF16); the backward's own products keep float32 X
+X_BF16_TRAIN = True
 
 
 @triton.jit
@@ -657,16 +663,34 @@ def kda_fwd_intra_kernel(
         _put_blk(ls, b_Akk, 16 * r, 16 * j, C, o_i)
 
 
+@triton.jit
+def _put_x(xs, xh, b_x, r, j, C: tl.constexpr, o_i, XH: tl.constexpr):
+    """Store block (r, j) of X to xs and, with XH, its bfloat16 copy to xh."""
+    _put_blk(xs, b_x, 16 * r, 16 * j, C, o_i)
+    if XH:
+        _put_blk(xh, b_x, 16 * r, 16 * j, C, o_i)
+
+
+@triton.jit
+def _l_blk(ls, b_b, r, j, C: tl.constexpr, o_i):
+    """Block (r, j) of L = Diag(beta) Akk (b_b: beta of row block r, [16, 1])   [16, 16] float32."""
+    return b_b * _blk(ls, 16 * r, 16 * j, C, o_i)
+
+
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_inverse_kernel(
-    beta, gc, ls, xs, gl, cu_seqlens, chunk_indices, T,
+    beta, gc, ls, xs, xh, gl, cu_seqlens, chunk_indices, T,
     HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
     SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, GL: tl.constexpr,
+    XH: tl.constexpr,
 ):
-    """X = (I + L)^-1 with L = Diag(beta) Akk, row block by row block (float32, to the scratch xs,
-    which holds bfloat16 under X_BF16; later row blocks read earlier ones back from it):
-    X_rr = (I + L_rr)^-1,  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj.  Then, with GL, the chunk
-    decay gl from the block sums (the whole-chunk path's gates kernel stores it itself)."""
+    """X = (I + L)^-1 with L = Diag(beta) Akk, block by block (float32 products):
+    X_rr = (I + L_rr)^-1,  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj  (C = 32 or 64: 2 or 4 row
+    blocks). Every block of L is loaded up front and every block of X stays in registers until it
+    is stored: no product waits for a block read back from memory.
+    X goes to the scratch xs (float32, or bfloat16 under X_BF16) and, with XH, a bfloat16 copy to
+    xh (training: the w/u kernel reads the copy, the backward xs). Then, with GL, the chunk decay
+    gl from the block sums (the whole-chunk path's gates kernel stores it itself)."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
@@ -674,16 +698,40 @@ def kda_fwd_inverse_kernel(
     NC: tl.constexpr = C // 16
     ls += i_p * C * C
     xs += i_p * C * C
-    for r in range(NC):
-        b_b = _beta(beta, bos, t0 + 16 * r, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)[:, None]
-        b_Xrr = _inv_unit_lower(b_b * _blk(ls, 16 * r, 16 * r, C, o_i), o_i)
-        _put_blk(xs, b_Xrr, 16 * r, 16 * r, C, o_i)
-        for j in range(r):
-            b_acc = tl.zeros([16, 16], tl.float32)
-            for m in range(j, r):
-                b_acc += _mm(b_b * _blk(ls, 16 * r, 16 * m, C, o_i), _blk(xs, 16 * m, 16 * j, C, o_i))
-            _put_blk(xs, -_mm(b_Xrr, b_acc), 16 * r, 16 * j, C, o_i)
-        tl.debug_barrier()  # row block r of xs is read back by other threads for the next rows
+    if XH:
+        xh += i_p * C * C
+    # independent loads first, then the products; every b_L.., b_X.. is a [16, 16] float32 block
+    b_b0 = _beta(beta, bos, t0, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)[:, None]
+    b_b1 = _beta(beta, bos, t0 + 16, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)[:, None]
+    b_L10 = _l_blk(ls, b_b1, 1, 0, C, o_i)
+    b_X00 = _inv_unit_lower(_l_blk(ls, b_b0, 0, 0, C, o_i), o_i)
+    b_X11 = _inv_unit_lower(_l_blk(ls, b_b1, 1, 1, C, o_i), o_i)
+    b_X10 = -_mm(b_X11, _mm(b_L10, b_X00))
+    _put_x(xs, xh, b_X00, 0, 0, C, o_i, XH)
+    _put_x(xs, xh, b_X11, 1, 1, C, o_i, XH)
+    _put_x(xs, xh, b_X10, 1, 0, C, o_i, XH)
+    if NC == 4:
+        b_b2 = _beta(beta, bos, t0 + 32, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)[:, None]
+        b_b3 = _beta(beta, bos, t0 + 48, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)[:, None]
+        b_L20 = _l_blk(ls, b_b2, 2, 0, C, o_i)
+        b_L21 = _l_blk(ls, b_b2, 2, 1, C, o_i)
+        b_L30 = _l_blk(ls, b_b3, 3, 0, C, o_i)
+        b_L31 = _l_blk(ls, b_b3, 3, 1, C, o_i)
+        b_L32 = _l_blk(ls, b_b3, 3, 2, C, o_i)
+        b_X22 = _inv_unit_lower(_l_blk(ls, b_b2, 2, 2, C, o_i), o_i)
+        b_X33 = _inv_unit_lower(_l_blk(ls, b_b3, 3, 3, C, o_i), o_i)
+        b_X21 = -_mm(b_X22, _mm(b_L21, b_X11))
+        b_X20 = -_mm(b_X22, _mm(b_L20, b_X00) + _mm(b_L21, b_X10))
+        b_X32 = -_mm(b_X33, _mm(b_L32, b_X22))
+        b_X31 = -_mm(b_X33, _mm(b_L31, b_X11) + _mm(b_L32, b_X21))
+        b_X30 = -_mm(b_X33, _mm(b_L30, b_X00) + _mm(b_L31, b_X10) + _mm(b_L32, b_X20))
+        _put_x(xs, xh, b_X22, 2, 2, C, o_i, XH)
+        _put_x(xs, xh, b_X33, 3, 3, C, o_i, XH)
+        _put_x(xs, xh, b_X21, 2, 1, C, o_i, XH)
+        _put_x(xs, xh, b_X20, 2, 0, C, o_i, XH)
+        _put_x(xs, xh, b_X32, 3, 2, C, o_i, XH)
+        _put_x(xs, xh, b_X31, 3, 1, C, o_i, XH)
+        _put_x(xs, xh, b_X30, 3, 0, C, o_i, XH)
     if GL:
         for s in range(0, BK, BS):
             o_d = s + tl.arange(0, BS)
@@ -786,6 +834,7 @@ class Prepared(NamedTuple):
     gd: torch.Tensor | None = None  # unbounded gates, whole chunks: gc's rounding errors (float16) [B, T, HV, K]
     # (with split launches, 16-bit inputs, written only in the chunks whose gok != 1)
     gok: torch.Tensor | None = None  # and whether a chunk's diagonal blocks take the middle anchor [NT, HV]
+    xh: torch.Tensor | None = None  # training, X_BF16_TRAIN: X in bfloat16 for the w/u kernel   [NT, HV, C, C]
 
 
 def chunk_tables_of(opts, cu_seqlens, cu_host) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
@@ -848,8 +897,9 @@ def _where(opts, p: Prepared, cu_seqlens) -> dict:
 def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole, train) -> Prepared:
     """Stage 1 up to the inverse (gates, intra, inverse): a ``Prepared`` without w, u, qg, kd
     (None), which ``fwd_wu`` adds. What the training forward keeps for the backward (the part of
-    stage 1 that is not cheap to recompute). Without ``train`` (inference), X is bfloat16 for
-    bfloat16 inputs (X_BF16); the backward needs float32 X (``train``)."""
+    stage 1 that is not cheap to recompute). For bfloat16 inputs X is bfloat16 in inference
+    (X_BF16); with ``train`` float32 for the backward, plus a bfloat16 copy (``xh``) for the w/u
+    kernel (X_BF16_TRAIN)."""
     s, C = opts.shape, opts.chunk_size
     B, T, H, HV, K = s.B, s.T, s.H, s.HV, s.K
     if whole and not opts.safe_gate and opts.gate == GateMode.PREGATED:
@@ -862,12 +912,14 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole, t
     gc = new_empty(B, T, HV, K, dtype=torch.float32, device=dev)  # cumulative gates (block-local unless whole)
     ga = None if whole else new_empty(B, T, HV, K, dtype=torch.float32, device=dev)  # activated gates
     ls = new_empty(NT_total, HV, C, C, dtype=torch.float32, device=dev)  # Akk, lower blocks
-    x_dtype = torch.bfloat16 if X_BF16 and not train and dt == torch.bfloat16 else torch.float32
-    xs = new_empty(NT_total, HV, C, C, dtype=x_dtype, device=dev)  # (I + L)^-1, lower blocks
+    x16 = X_BF16 and dt == torch.bfloat16
+    xs = new_empty(NT_total, HV, C, C, dtype=torch.bfloat16 if x16 and not train else torch.float32, device=dev)
+    xh = new_empty(NT_total, HV, C, C, dtype=torch.bfloat16, device=dev) if x16 and train and X_BF16_TRAIN else None
     rs = new_empty(NT_total, HV, 2, C, dtype=torch.float32, device=dev)  # 1/|q|, 1/|k| of every row
     gd = new_empty(B, T, HV, K, dtype=torch.float16, device=dev) if any_gate else None  # gc's rounding errors
     gok = new_empty(NT_total, HV, dtype=torch.int32, device=dev) if any_gate else None
-    p = Prepared(None, None, None, None, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total, gd, gok)
+    p = Prepared(None, None, None, None, Aqk, gl, gc, ga, ls, xs, rs, chunk_indices, chunk_offsets, NT_total, gd, gok,
+                 xh)
     PREC = dot_config(dt)[1]  # products are float32: tensor-core tf32 for 16-bit inputs
     if NT_total > 0:
         BK = pow2(K)
@@ -894,8 +946,8 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole, t
                 q, k, gc, ga, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate, PREC=PREC,
                 **where, **launch_options(LAUNCH, "intra", BK, BK))
         kda_fwd_inverse_kernel[(NT_total, HV)](
-            beta, gc, ls, xs, gl, K=K, BK=BK, BS=BS, GL=not whole, SIGMOID=opts.beta_sigmoid,
-            BETA_SCALE=opts.beta_scale, **where, **launch_options(LAUNCH, "inverse", BK, BK))
+            beta, gc, ls, xs, xh, gl, K=K, BK=BK, BS=BS, GL=not whole, SIGMOID=opts.beta_sigmoid,
+            BETA_SCALE=opts.beta_scale, XH=xh is not None, **where, **launch_options(LAUNCH, "inverse", BK, BK))
     return p
 
 
@@ -908,11 +960,12 @@ def fwd_wu(opts, p: Prepared, q, k, v, beta, cu_seqlens) -> Prepared:
     u = new_empty(B, T, HV, V, dtype=dt, device=dev)
     if p.NT_total > 0:
         BK, BV = pow2(K), pow2(V)
-        low = p.xs.dtype != torch.float32  # X_BF16
+        xs = p.xs if p.xh is None else p.xh  # the X the products read: bfloat16 under X_BF16
+        low = xs.dtype != torch.float32
         BS = min(WU_SLICE_X16 if low else WU_SLICE, BK, BV)
         NSK, NSV = cdiv(K, BS), cdiv(V, BS)
         kda_fwd_wu_kernel[(p.NT_total * (NSK + NSV), HV)](
-            q, k, v, beta, p.gc, p.ga, p.gd, p.gok, p.rs, p.xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS,
+            q, k, v, beta, p.gc, p.ga, p.gd, p.gok, p.rs, xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS,
             NSK=NSK, NSV=NSV, PREC=_bf16_prec(dt) if low else dot_config(dt)[1], WHOLE=p.ga is None,
             ANY=p.gd is not None, SPLIT=len(split_launches(p.gd is not None, dt)) > 1,
             SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
