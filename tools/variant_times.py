@@ -25,7 +25,7 @@ import triton.testing as tt
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_ops import FORWARD, _reference, make  # noqa: E402
+from bench_ops import BACKWARD, FORWARD, _reference, make  # noqa: E402
 from profile_kernels import kernel_times  # noqa: E402
 
 
@@ -46,6 +46,17 @@ def apply(settings: dict) -> dict:
     return saved
 
 
+def case_shape(case: str) -> dict:
+    """make()'s arguments of a case of bench_ops.FORWARD or, by its name, of BACKWARD (K = V)."""
+    for name, B, T, H, seqlens, gate in FORWARD:
+        if name == case:
+            return dict(B=B, T=T, H=H, seqlens=seqlens, gate=gate)
+    for name, B, T, H, K, gate in BACKWARD:
+        if name == case:
+            return dict(B=B, T=T, H=H, seqlens=None, gate=gate, K=K, V=K)
+    raise SystemExit(f"no case {case!r} in bench_ops.FORWARD or BACKWARD")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="B1 T8192 H64", type=lambda x: x.split(","))
@@ -60,10 +71,10 @@ def main():
 
     variants = json.loads(os.environ.get("VARIANTS", '{"as is": {}}'))
     for case in a.cases:
-        _, B, T, H, seqlens, gate = next(c for c in FORWARD if c[0] == case)
-        x, kw = make(B, T, H, seqlens, gate)
+        shape = case_shape(case)
+        x, kw = make(**shape)
         if a.train:
-            xg, kwg = make(B, T, H, seqlens, gate, grad=True)
+            xg, kwg = make(**shape, grad=True)
             leaves = [*xg.values(), kwg["A_log"], kwg["dt_bias"]]
             do = torch.randn_like(xg["v"])
         fwd = {n: [] for n in variants}
