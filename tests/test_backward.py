@@ -117,8 +117,10 @@ X_CASES = {  # the whole-chunk path (bounded, unbounded gates, varlen), the bloc
 def test_x_bf16(name, rng, monkeypatch):
     """prepare.X_BF16: in inference, bfloat16 inputs get X in bfloat16 and bfloat16 w/u products
     (the whole-chunk and the block path; 64-column w/u programs from K = 64); the output within
-    bfloat16's budget and within twice the error of float32 X; training keeps X in float32 (its
-    gradients against the float64 reference); float16 and float32 inputs keep float32 X."""
+    bfloat16's budget and within twice the error of float32 X; training keeps X in float32 for
+    the backward (its gradients against the float64 reference) and, for bfloat16 inputs, a
+    bfloat16 copy for the w/u kernel (X_BF16_TRAIN), so that its forward output is inference's,
+    bit for bit; float16 and float32 inputs keep float32 X."""
     from fastkda.backends.triton import prepare
 
     case = grow(X_CASES[name], GPU)
@@ -140,8 +142,16 @@ def test_x_bf16(name, rng, monkeypatch):
         assert errors[1] <= 2 * errors[0], f"bfloat16 X: error {errors[1]:.3g} against {errors[0]:.3g} in float32"
     else:
         assert errors[1] == errors[0]
-    x, got, want = grads("triton", case, torch.Generator().manual_seed(seed))
+    xt = {**x, "q": x["q"].detach().clone().requires_grad_(True)}
+    with use_backend("triton"):
+        o_train = chunk_kda(**xt, chunk_size=case.chunk_size)[0].detach()
     assert kept[-1].xs.dtype == torch.float32, "training took a bfloat16 X"
+    if case.dtype == torch.bfloat16:
+        assert kept[-1].xh is not None and kept[-1].xh.dtype == torch.bfloat16
+        assert torch.equal(o_train, o), "the training forward differs from inference"
+    else:
+        assert kept[-1].xh is None
+    x, got, want = grads("triton", case, torch.Generator().manual_seed(seed))
     check_grads(got, want, x, tol_for(case.dtype, "triton"))
 
 
