@@ -114,6 +114,17 @@ def kept_stage1(monkeypatch) -> list:
     return kept
 
 
+def scan_given_u(monkeypatch) -> list:
+    """Wrap the Triton backend's scan entry (function.fwd_scan) so that every call appends whether
+    stage 1 handed it u (False: the scan forms u itself, scan.U_IN_SCAN) to the returned list."""
+    from fastkda.backends.triton import function
+
+    given, fwd_scan = [], function.fwd_scan
+    monkeypatch.setattr(function, "fwd_scan", lambda opts, p, *a, **kw: given.append(p.u is not None)
+                        or fwd_scan(opts, p, *a, **kw))
+    return given
+
+
 def tol_for(dtype: torch.dtype, backend: str = "torch") -> float:
     return tolerance(dtype, backend)
 
@@ -122,7 +133,7 @@ def finite(t):
     return t is not None and bool(torch.isfinite(t).all())
 
 
-__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "gate_slope", "gate_input_error", "tol_for", "bounded", "plain_options", "spy_launches", "kept_stage1", "finite", "forced_gates", "FORMS",
+__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "gate_slope", "gate_input_error", "tol_for", "bounded", "plain_options", "spy_launches", "kept_stage1", "scan_given_u", "finite", "forced_gates", "FORMS",
            "math"]
 
 

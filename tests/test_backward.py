@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import BACKWARD_BACKENDS, DEVICE, GPU
 from helpers import (AXES, FORMS, OPTION_SPACE, bounded, check, check_grads, forced_gates, grow, kept_stage1,
-                     random_case, spy_launches, tol_for)
+                     random_case, scan_given_u, spy_launches, tol_for)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -51,6 +51,22 @@ def test_backward_axis(backend, axis, rng):
     case = grow(BWD_AXES[axis], GPU)
     x, got, want = grads(backend, case, rng)
     check_grads(got, want, x, tol_for(case.dtype, backend))
+
+
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("sms", [2, 1024])
+def test_u_in_scan_training(sms, rng, monkeypatch):
+    """The training forward's scan forms u itself where its programs (4 here) outnumber the SMs (2:
+    as if crowded; scan.U_IN_SCAN "crowded"), the backward's recomputation never (it keeps u for
+    the backward's kernels); the gradients right either way."""
+    from fastkda import platform
+
+    monkeypatch.setattr(platform, "sm_count", lambda dev: sms)
+    given_u = scan_given_u(monkeypatch)
+    case = Case(T=40, H=2, HV=4, K=32, V=32, dtype=torch.bfloat16, gate="safe", l2norm=True, beta_sigmoid=True)
+    x, got, want = grads("triton", case, rng)
+    check_grads(got, want, x, tol_for(case.dtype, "triton"))
+    assert given_u == [sms != 2, True], given_u  # the training forward, then the recomputation
 
 
 RECOMPUTE_CASES = {  # float32 (block path), bfloat16 with a bounded or unbounded gate (whole-chunk path), varlen

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import BACKENDS, DEVICE, GPU
 from helpers import (AXES, OPTION_SPACE, bounded, check, forced_gates, grow, kept_stage1, plain_options, random_case,
-                     spy_launches, tol_for)
+                     scan_given_u, spy_launches, tol_for)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -280,6 +280,57 @@ def test_scan_width(axis, bv, rng, monkeypatch):
     check("o (with h)", o, o_ref, tol)
     check("h", h, h_ref, tol)
     assert grids and all(g[0] == -(-case.V // bv) for g in grids), grids
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("u_in", [True, False])
+@pytest.mark.parametrize("axis", ["varlen", "gva", "k_ne_v", "k64_v16", "beta_sigmoid", "neg_eigval", "softplus",
+                                  "bf16", "fp16", "chunk32_varlen_safe", "t_chunk_plus_one"])
+def test_u_in_scan(axis, u_in, rng, monkeypatch):
+    """The scan forming u = X (beta v) itself (scan.U_IN_SCAN) and the w/u kernel writing it give the
+    reference's output and final state; with the option on the w/u kernel launches for w's slices
+    alone and hands the scan no u."""
+    from fastkda.backends.triton import prepare, scan
+    from fastkda.backends.triton.common import pow2
+
+    monkeypatch.setattr(scan, "U_IN_SCAN", u_in)
+    grids = spy_launches(monkeypatch, prepare, "kda_fwd_wu_kernel", grids=True)
+    given_u = scan_given_u(monkeypatch)
+    case = grow(AXES[axis], GPU)
+    x, o, s, _ = run_forward("triton", case, rng)
+    o_ref, s_ref = reference(x)
+    tol = tol_for(case.dtype, "triton")
+    check("o", o, o_ref, tol)
+    if case.final_state:
+        check("final_state", s, s_ref, tol)
+    assert given_u == [not u_in], given_u
+    bs = prepare.WU_SLICE_X16 if case.dtype == torch.bfloat16 and prepare.X_BF16 else prepare.WU_SLICE
+    bs = min(bs, pow2(case.K), pow2(case.V))
+    slices = -(-case.K // bs) + (0 if u_in else -(-case.V // bs))
+    lengths = case.seqlens or [case.T] * case.B
+    chunks = sum(-(-n // case.chunk_size) for n in lengths)
+    assert [g[0] for g in grids] == [chunks * slices], (grids, chunks, slices)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("sms", [2, 1024])
+def test_u_in_scan_default_choice(sms, rng, monkeypatch):
+    """By default (U_IN_SCAN "crowded") the scan forms u itself where its programs (4 here)
+    outnumber the SMs (2: as if crowded); the output right either way (training:
+    test_backward.py::test_u_in_scan_training)."""
+    from fastkda import platform
+    from fastkda.backends.triton import scan
+
+    assert scan.U_IN_SCAN == "crowded"
+    monkeypatch.setattr(platform, "sm_count", lambda dev: sms)
+    given_u = scan_given_u(monkeypatch)
+    case = Case(T=40, H=2, HV=4, K=32, V=32, dtype=torch.bfloat16, gate="safe", l2norm=True)
+    x, o, s, _ = run_forward("triton", case, rng)
+    o_ref, s_ref = reference(x)
+    tol = tol_for(case.dtype, "triton")
+    check("o", o, o_ref, tol)
+    check("final_state", s, s_ref, tol)
+    assert given_u == [sms != 2], given_u
 
 
 @pytest.mark.parametrize("axis", ["dense", "varlen", "gva", "k_ne_v", "state_v_first", "chunk32", "bf16", "no_states",

@@ -54,8 +54,9 @@ def compile_one(r, arch):
     consts = {}
     if r["constexprs"].get("EMU"):  # the interpreter's bf16 product emulation: off on a GPU (dot_config)
         r = {**r, "constexprs": {**r["constexprs"], "EMU": False}}
-    if r["constexprs"].get("PREC") == "bf16_emulated":  # the same, as a precision (prepare._chunk_prec)
-        r = {**r, "constexprs": {**r["constexprs"], "PREC": "bf16"}}
+    for key in ("PREC", "UPREC"):  # the same, as a precision (prepare._chunk_prec, prepare.wu_operands)
+        if r["constexprs"].get(key) == "bf16_emulated":
+            r = {**r, "constexprs": {**r["constexprs"], key: "bf16"}}
     for name, value in r["constexprs"].items():
         if isinstance(value, str) and value.startswith("tl:"):
             value = tl.dtype(value[3:])

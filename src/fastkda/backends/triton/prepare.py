@@ -14,7 +14,8 @@ kernel activates or bounds):
                                     inputs in inference, X_BF16, and a bfloat16 copy beside the
                                     float32 X in training, X_BF16_TRAIN) and the chunk decay
     wu       (chunk, slice, head)   one feature slice of w or u; the w slices also write q e^G and
-                                    k e^(G_last - G)
+                                    k e^(G_last - G). Where the scan forms u itself
+                                    (scan.U_IN_SCAN), the w slices alone
 
 The whole-chunk path (bounded gates, ``safe_gate``, and gates activated in the kernel, unbounded,
 with the cumulative sums kept exactly and a per-chunk form of the diagonal blocks: inference, and
@@ -807,10 +808,11 @@ def kda_fwd_wu_kernel(
         _put(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
         _put(kd, b_k * b_d, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
         _put(w, _prod(b_X, b_k * b_b[:, None] * b_e, PREC), bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
-    else:  # u = X (beta v)
-        o_d = (i_s - NSK) * BS + tl.arange(0, BS)
-        b_y = _tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_d) * b_b[:, None]
-        _put(u, _prod(b_X, b_y, PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
+    else:  # u = X (beta v); NSV = 0: the scan forms u itself (scan.U_IN_SCAN), u is None
+        if NSV > 0:
+            o_d = (i_s - NSK) * BS + tl.arange(0, BS)
+            b_y = _tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_d) * b_b[:, None]
+            _put(u, _prod(b_X, b_y, PREC), bos, t0, T_seq, i_hv, HV, V, o_c, o_d)
 
 
 class Prepared(NamedTuple):
@@ -951,22 +953,33 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole, t
     return p
 
 
-def fwd_wu(opts, p: Prepared, q, k, v, beta, cu_seqlens) -> Prepared:
-    """The rest of stage 1 on the output of ``fwd_intra``: w, u, q e^G and k e^(G_last - G)."""
+def wu_operands(p: Prepared, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+    """(X, precision) of the products w = X (beta k e^G) and u = X (beta v) for inputs of ``dtype``:
+    the bfloat16 X where there is one (X_BF16, X_BF16_TRAIN) with bfloat16 products, else the
+    float32 X at the inputs' precision (the w/u kernel's, and the scan's when it forms u itself)."""
+    xs = p.xs if p.xh is None else p.xh
+    if xs.dtype != torch.float32:
+        return xs, _bf16_prec(dtype)
+    return xs, dot_config(dtype)[1]
+
+
+def fwd_wu(opts, p: Prepared, q, k, v, beta, cu_seqlens, with_u: bool = True) -> Prepared:
+    """The rest of stage 1 on the output of ``fwd_intra``: w, u, q e^G and k e^(G_last - G). Without
+    ``with_u`` u is left to the scan (u None: scan.U_IN_SCAN)."""
     s = opts.shape
     B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
     dev, dt = q.device, q.dtype
     w, qg, kd = (new_empty(B, T, HV, K, dtype=dt, device=dev) for _ in range(3))
-    u = new_empty(B, T, HV, V, dtype=dt, device=dev)
+    u = new_empty(B, T, HV, V, dtype=dt, device=dev) if with_u else None
     if p.NT_total > 0:
         BK, BV = pow2(K), pow2(V)
-        xs = p.xs if p.xh is None else p.xh  # the X the products read: bfloat16 under X_BF16
+        xs, prec = wu_operands(p, dt)
         low = xs.dtype != torch.float32
         BS = min(WU_SLICE_X16 if low else WU_SLICE, BK, BV)
-        NSK, NSV = cdiv(K, BS), cdiv(V, BS)
+        NSK, NSV = cdiv(K, BS), cdiv(V, BS) if with_u else 0
         kda_fwd_wu_kernel[(p.NT_total * (NSK + NSV), HV)](
             q, k, v, beta, p.gc, p.ga, p.gd, p.gok, p.rs, xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS,
-            NSK=NSK, NSV=NSV, PREC=_bf16_prec(dt) if low else dot_config(dt)[1], WHOLE=p.ga is None,
+            NSK=NSK, NSV=NSV, PREC=prec, WHOLE=p.ga is None,
             ANY=p.gd is not None, SPLIT=len(split_launches(p.gd is not None, dt)) > 1,
             SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
             **_where(opts, p, cu_seqlens), **launch_options(LAUNCH, "wu_x16" if low else "wu", BK, BV))

@@ -5,6 +5,9 @@ sequence in order. The float32 state [K, BV] never leaves registers; per chunk:
 
     v' = u - w S          o = qg S + Aqk v'          S <- Diag(gl) S + kd^T v'
 
+with u = X (beta v) read from stage 1 or, where the programs crowd the SMs (U_IN_SCAN), formed
+here from X, v and beta.
+
 States at chunk starts (``h``) and v' are written only when asked (``return_intermediate_states``,
 and the backward, which also skips ``o``).
 """
@@ -17,7 +20,9 @@ import triton.language as tl
 
 from ... import platform
 from ...testing import new_empty
-from .common import cdiv, chunk_program, mma, out_alloc, pow2, scan_stages, scan_warps, sequence_location
+from .common import (block_lower, cdiv, chunk_program, mma, out_alloc, pow2, scan_stages, scan_warps,
+                     sequence_location)
+from .prepare import _beta, _prod, wu_operands
 
 # launch configuration (module-level so that benchmarks can compare variants)
 # o leaves the scan for a chunk-parallel kernel (kda_fwd_output_kernel) when the scan is long and
@@ -52,6 +57,24 @@ SCAN_STAGES = 3
 # (SCAN_BV_NARROW only where 64-column ones fill at most half the SMs): forced, 32 columns at one stage
 # (B1 T8192 H96, 384 programs) faulted on the H200 (illegal memory access, Triton 3.6; cause not found)
 SCAN_STAGES_CROWDED = 1
+# the scan forms u = X (beta v) of each chunk itself, from X and v (the w/u kernel then writes w,
+# qg and kd alone, and u never goes through memory): "crowded", where the scan's programs outnumber
+# the SMs (two programs share an SM at one stage, and the extra loads and product, independent of
+# the state, fill the other's waits); True everywhere, False nowhere. Never where u is kept for the
+# backward (its recomputation). H200, inference forward, one run (bfloat16, U_IN_SCAN off -> on):
+# B1 T8192 H96 2.653 -> 2.608 ms (w/u kernel 0.516 -> 0.397), varlen H96 ~2.60 -> 2.537, B2 T8192
+# H64 3.268 -> 3.227, training step at H96 11.816 -> 11.800; but with one program per SM, B1
+# T8192 H64: 1.745 -> 1.775 (scan 0.419 -> 0.522, w/u 0.338 -> 0.266), B1 T32768 H16 2.156 -> 2.615
+U_IN_SCAN = "crowded"
+
+
+def u_in_scan(opts, keep: bool, dev: torch.device) -> bool:
+    """Whether the scan forms u itself (U_IN_SCAN): not where u is kept for the backward (``keep``)."""
+    if keep or not U_IN_SCAN:
+        return False
+    if U_IN_SCAN == "crowded":
+        return _programs(opts, _scan_bv(opts, dev)) > platform.sm_count(dev)
+    return True
 
 
 @triton.jit
@@ -83,12 +106,15 @@ def chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV: tl
 
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_scan_kernel(
-    w, u, qg, kd, Aqk, gl, h0, ht, h, o, vn, cu_seqlens, chunk_offsets, T,
+    w, u, xs, v, beta, qg, kd, Aqk, gl, h0, ht, h, o, vn, cu_seqlens, chunk_offsets, T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr, STORE_O: tl.constexpr,
     STORE_VN: tl.constexpr, V_FIRST: tl.constexpr, H_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, U_IN: tl.constexpr, UPREC: tl.constexpr,
+    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
 ):
+    """U_IN (U_IN_SCAN): u = X (beta v) of each chunk from X (xs, [chunks, HV, C, C], block lower)
+    and v, beta, at precision UPREC (prepare._prod's, as the w/u kernel's); otherwise u is read."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
     bos, T_seq, c_off = sequence_location(i_n, cu_seqlens, chunk_offsets, T, C, IS_VARLEN)
@@ -111,7 +137,13 @@ def kda_fwd_scan_kernel(
             p_h, m_h = _state_ptrs(h + ((c_off + i_t) * HV + i_hv) * K * V, o_k, o_v, K, V, H_V_FIRST)
             tl.store(p_h, b_S.to(h.dtype.element_ty), mask=m_h)
         b_w, b_qg, b_kd, b_A, b_gl = chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV, K, C, DT, EMU)
-        b_u = tl.load(u + p_uv + r_t * (HV * V), mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        if U_IN:  # independent of the state: the loads and the product overlap the chain of S
+            b_X = block_lower(xs + ((c_off + i_t) * HV + i_hv) * C * C, o_c, C)  # [C, C]
+            b_y = tl.load(v + p_uv + r_t * (HV * V), mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            b_y *= _beta(beta, bos, i_t * C, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)[:, None]
+            b_u = _prod(b_X, b_y, UPREC)  # [C, BV]
+        else:
+            b_u = tl.load(u + p_uv + r_t * (HV * V), mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
 
         b_Sd = mma(b_S, DT, EMU)
         b_vn = b_u - tl.dot(b_w, b_Sd, input_precision=PREC)  # v' = u - w S   [C, BV]
@@ -193,22 +225,27 @@ def _split(opts, NT_total: int) -> bool:
     return NT_total >= SPLIT_MIN_CHUNKS * s.N and _programs(opts, SCAN_BV) <= SPLIT_MAX_PROGRAMS
 
 
-def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep=False):
+def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep=False, v=None, beta=None):
     """Launch stage 2 on the output ``p`` of stage 1. Returns (o, final_state, h, v'), each None
     unless asked for: ``outputs`` gives o and the final state (if the options ask for it);
     ``keep`` gives what the backward needs, h in [K, V] order and v' (both in the input dtype);
-    otherwise h only with ``return_intermediate_states`` (float32, in the state layout)."""
+    otherwise h only with ``return_intermediate_states`` (float32, in the state layout). Where
+    stage 1 left u out (``p.u`` None, u_in_scan), the scan forms it from ``v`` and ``beta``."""
     s, C = opts.shape, opts.chunk_size
     B, T, HV, K, V, N = s.B, s.T, s.HV, s.K, s.V, s.N
     dev = p.w.device
+    u_in = p.u is None
+    if u_in and (v is None or beta is None):
+        raise ValueError("fwd_scan: stage 1 left u out (p.u is None), so v and beta must be given")
+    xs, uprec = wu_operands(p, p.w.dtype) if u_in else (None, PREC)
     o = out_alloc(opts)(B, T, HV, V, dtype=v_dtype, device=dev) if outputs else None
     ht = None
     if outputs and opts.output_final_state:
         ht = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev)
     h = vn = None
     if keep:  # in the input dtype: the products that read them take that precision anyway
-        h = new_empty(p.NT_total, HV, K, V, dtype=p.u.dtype, device=dev)
-        vn = new_empty(B, T, HV, V, dtype=p.u.dtype, device=dev)
+        h = new_empty(p.NT_total, HV, K, V, dtype=p.w.dtype, device=dev)
+        vn = new_empty(B, T, HV, V, dtype=p.w.dtype, device=dev)
     elif opts.return_intermediate_states:
         lead = (1, p.NT_total) if cu_seqlens is not None else (B, cdiv(T, C))
         h = out_alloc(opts)(*lead, HV, *opts.state_shape, dtype=torch.float32, device=dev)  # use_graph: zero past the chunks
@@ -217,16 +254,18 @@ def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep
     split = outputs and not keep and _split(opts, p.NT_total)
     o_scan = o
     if split:  # the scan writes h and v' (input dtype), the output kernel o
-        h = new_empty(p.NT_total, HV, K, V, dtype=p.u.dtype, device=dev)
-        vn = new_empty(B, T, HV, V, dtype=p.u.dtype, device=dev)
+        h = new_empty(p.NT_total, HV, K, V, dtype=p.w.dtype, device=dev)
+        vn = new_empty(B, T, HV, V, dtype=p.w.dtype, device=dev)
         o_scan = None
     if N * HV > 0:
         kda_fwd_scan_kernel[(cdiv(V, BV), N * HV)](
-            p.w, p.u, p.qg, p.kd, p.Aqk, p.gl, h0, ht, h, o_scan, vn, cu_seqlens, p.chunk_offsets, T,
+            p.w, p.u, xs, v if u_in else None, beta if u_in else None, p.qg, p.kd, p.Aqk, p.gl, h0, ht, h, o_scan,
+            vn, cu_seqlens, p.chunk_offsets, T,
             HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
             STORE_H=h is not None, STORE_O=o_scan is not None, STORE_VN=vn is not None, V_FIRST=opts.state_v_first,
             H_V_FIRST=opts.state_v_first and not (keep or split), IS_VARLEN=cu_seqlens is not None, DT=DT, PREC=PREC,
-            EMU=EMU, num_warps=scan_warps(SCAN_WARPS, BK, BV), num_stages=_scan_stages(opts, BV, BK, p.w, dev),
+            EMU=EMU, U_IN=u_in, UPREC=uprec, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
+            num_warps=scan_warps(SCAN_WARPS, BK, BV), num_stages=_scan_stages(opts, BV, BK, p.w, dev),
         )
     if split and p.NT_total > 0:
         BVO = min(pow2(V), OUT_BV)
