@@ -289,7 +289,7 @@ def test_scan_width(axis, bv, rng, monkeypatch):
 def test_u_in_scan(axis, u_in, rng, monkeypatch):
     """The scan forming u = X (beta v) itself (scan.U_IN_SCAN) and the w/u kernel writing it give the
     reference's output and final state; with the option on the w/u kernel launches for w's slices
-    alone and hands the scan no u."""
+    alone and hands the scan no u (except for float16 inputs, which always keep it)."""
     from fastkda.backends.triton import prepare, scan
     from fastkda.backends.triton.common import pow2
 
@@ -303,13 +303,43 @@ def test_u_in_scan(axis, u_in, rng, monkeypatch):
     check("o", o, o_ref, tol)
     if case.final_state:
         check("final_state", s, s_ref, tol)
+    u_in = u_in and case.dtype != torch.float16  # float16 inputs keep the w/u kernel's u (scan.u_in_scan)
     assert given_u == [not u_in], given_u
     bs = prepare.WU_SLICE_X16 if case.dtype == torch.bfloat16 and prepare.X_BF16 else prepare.WU_SLICE
     bs = min(bs, pow2(case.K), pow2(case.V))
     slices = -(-case.K // bs) + (0 if u_in else -(-case.V // bs))
     lengths = case.seqlens or [case.T] * case.B
     chunks = sum(-(-n // case.chunk_size) for n in lengths)
-    assert [g[0] for g in grids] == [chunks * slices], (grids, chunks, slices)
+    n_heads = case.HV if prepare.HEADS_FIRST else 1  # (HV * parts,) or (parts, HV): common.chunk_grid
+    assert [g[0] for g in grids] == [chunks * slices * n_heads], (grids, chunks, slices)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("heads_first", [True, False])
+@pytest.mark.parametrize("axis", ["varlen", "gva", "k_ne_v", "chunk32_varlen_safe", "softplus", "pregated_safe", "bf16",
+                                  "t_short"])
+def test_stage1_launch_order(axis, heads_first, rng, monkeypatch):
+    """Stage 1 launched value heads first (prepare.HEADS_FIRST: one grid dimension, HV x parts) or
+    chunks first (grid (parts, HV)) gives the reference's output and final state; every stage-1
+    grid has the form asked."""
+    from fastkda.backends.triton import prepare
+
+    monkeypatch.setattr(prepare, "HEADS_FIRST", heads_first)
+    names = ("kda_fwd_gates_kernel", "kda_fwd_intra_chunk_kernel", "kda_fwd_intra_kernel", "kda_fwd_inverse_kernel",
+             "kda_fwd_wu_kernel")
+    grids = spy_launches(monkeypatch, prepare, *names, grids=True)
+    case = grow(AXES[axis], GPU)
+    x, o, s, _ = run_forward("triton", case, rng)
+    o_ref, s_ref = reference(x)
+    tol = tol_for(case.dtype, "triton")
+    check("o", o, o_ref, tol)
+    if case.final_state:
+        check("final_state", s, s_ref, tol)
+    assert len(grids) >= 4, grids
+    if heads_first:
+        assert all(len(g) == 1 and g[0] % case.HV == 0 for g in grids), (grids, case.HV)
+    else:
+        assert all(len(g) == 2 and g[1] == case.HV for g in grids), (grids, case.HV)
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")

@@ -125,7 +125,7 @@ def kda_bwd_v_kernel(
     0..NKS-1 of a chunk: the state products for BKS feature columns each (dqg, dkd, dw and the
     chunk-decay gradient dgam); part NKS: the products within the chunk (dAqk, a, dv, dL, beta's
     first terms). MIRROR: dAqk's upper triangle holds its transpose (else zeros)."""
-    i_part, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NKS + 1)
+    i_part, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NKS + 1, False)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     o_c = tl.arange(0, C)
@@ -184,7 +184,7 @@ def kda_bwd_k_kernel(
     """Phase B: the contractions over K, row block by row block (dw is overwritten with dkg). With
     WHOLE, gc holds cumulative gates from the chunk start (the whole-chunk stage 1), and dAkk leaves
     with its transpose in its upper triangle (for kda_bwd_gate_block_kernel)."""
-    _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
+    _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1, False)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     i_h = i_hv // (HV // H)
@@ -294,7 +294,7 @@ def kda_bwd_gate_block_kernel(
     kd terms, replaces dkg in s_dw, and both block totals go to s_tot [slots, NC, 2, K] for
     kda_bwd_dg_kernel. ANY: exact sums gc + gd; SEL as prepare.kda_fwd_intra_chunk_kernel's."""
     NC: tl.constexpr = C // 16
-    i_sub, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NC * NSK)
+    i_sub, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NC * NSK, False)
     r = i_sub // NSK
     i_s = i_sub % NSK
     if t0 + 16 * r >= T_seq:  # a block past the sequence end (or a slot past the real chunks)
@@ -399,7 +399,7 @@ def kda_bwd_dg_kernel(
     block's part (s_dw) + the dG totals of the later blocks + the kd totals of the earlier ones +
     gl dgam, through the gate activation, and the partial sums of dA_log and dt_bias."""
     NC: tl.constexpr = C // 16
-    i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK)
+    i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK, False)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     o_c = tl.arange(0, C)
@@ -446,7 +446,7 @@ def kda_bwd_gate_kernel(
 ):
     """Phase C, one feature slice i_s of a chunk (NSK of them): the gated products and the gate
     gradient; dq and dk of this value head (before l2norm) replace dqg and dkd."""
-    i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK)
+    i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK, False)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     i_h = i_hv // (HV // H)

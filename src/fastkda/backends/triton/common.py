@@ -130,15 +130,27 @@ def sequence_location(i_n, cu_seqlens, chunk_offsets, T, C: tl.constexpr, IS_VAR
     return bos, T_seq, c_off
 
 
+def chunk_grid(parts: int, HV: int, heads_first: bool = False) -> tuple[int, ...]:
+    """The grid of a chunk_program kernel with ``parts`` programs per value head: (parts, HV), or
+    ``heads_first`` (its HF) one dimension of HV x parts programs, the value head varying fastest
+    (one dimension: a grid's second may not exceed 65535, which parts can)."""
+    return (HV * parts,) if heads_first else (parts, HV)
+
+
 @triton.jit
 def chunk_program(cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexpr, IS_VARLEN: tl.constexpr,
-                  NSUB: tl.constexpr):
+                  NSUB: tl.constexpr, HF: tl.constexpr):
     """(part of the chunk, value head, slot of the pair in the per-chunk scratches, first token of
     the sequence, its length, first token of the chunk within it) of this program. Grids are
-    (chunks * NSUB, value heads): the NSUB programs of one chunk (its row blocks or feature
-    slices) run side by side and share what they read through the L2 cache."""
-    i_hv = tl.program_id(1).to(tl.int64)
-    i_c, i_sub = tl.program_id(0).to(tl.int64) // NSUB, tl.program_id(0) % NSUB
+    (chunks * NSUB, value heads), or with HF value heads * chunks * NSUB, the head varying fastest
+    (chunk_grid): the NSUB programs of one chunk (its row blocks or feature slices) run close
+    together and share what they read through the L2 cache."""
+    if HF:
+        i_pid = tl.program_id(0).to(tl.int64)
+        i_hv, i_x = i_pid % HV, i_pid // HV
+    else:
+        i_hv, i_x = tl.program_id(1).to(tl.int64), tl.program_id(0).to(tl.int64)
+    i_c, i_sub = i_x // NSUB, i_x % NSUB
     _, i_t, bos, T_seq = chunk_location(i_c, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
     return i_sub, i_hv, i_c * HV + i_hv, bos, T_seq, i_t * C
 

@@ -60,7 +60,7 @@ def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: b
         whole = whole_forward(opts, train, whole_backward(opts, x.q.dtype))
         intra = fwd_intra(opts, x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, x.cu_seqlens_cpu, whole,
                           train)
-    p = fwd_wu(opts, intra, x.q, x.k, x.v, x.beta, x.cu_seqlens, with_u=not u_in_scan(opts, keep, x.q.device))
+    p = fwd_wu(opts, intra, x.q, x.k, x.v, x.beta, x.cu_seqlens, with_u=not u_in_scan(opts, keep, x.q.device, x.q.dtype))
     o, ht, h, vn = fwd_scan(opts, p, x.initial_state, x.cu_seqlens, x.v.dtype, *dot_config(x.q.dtype),
                             outputs=outputs, keep=keep, v=x.v, beta=x.beta)
     return p, o, ht, h, vn

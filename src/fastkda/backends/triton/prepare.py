@@ -63,8 +63,8 @@ import triton.language as tl
 
 from ...options import GateMode
 from ...testing import new_empty
-from .common import (activate_gate, block_lower, cdiv, chunk_program, chunk_tables, chunk_tables_static, dot_config,
-                     gate_launch, launch_options, mma, pow2, row_of, softplus_form)
+from .common import (activate_gate, block_lower, cdiv, chunk_grid, chunk_program, chunk_tables, chunk_tables_static,
+                     dot_config, gate_launch, launch_options, mma, pow2, row_of, softplus_form)
 
 # (warps, register cap or None) of each launch for K, V <= 128 (tools/sweep_launch.py, which times
 # training steps; "wu_x16", an inference launch, from forward timings: X_BF16 below); beyond,
@@ -126,6 +126,13 @@ WU_SLICE_X16 = 64
 # (forward and the backward's recomputation), so that training runs the w/u products of inference
 # (X_BF16); the backward's own products keep float32 X
 X_BF16_TRAIN = True
+# launch order of the stage-1 kernels: value heads first (common.chunk_grid), so that the
+# programs in flight at a time cover every head of a span of chunks (a contiguous stretch of the
+# [B, T, HV, K] tensors) instead of every chunk of a few heads. H200, bfloat16, one process,
+# interleaved (off -> on): forward B1 T8192 H96 2.603 -> 2.551 ms, varlen H96 2.534 -> 2.465, B2
+# T8192 H64 3.220 -> 3.162, B1 T8192 H64 1.741 -> 1.729, B1 T32768 H16 2.154 -> 2.126, softplus
+# 1.880 -> 1.882; training step B1 T8192 H64 7.858 -> 7.817, H96 11.765 -> 11.666 (BENCHMARKS.md)
+HEADS_FIRST = True
 
 
 @triton.jit
@@ -450,7 +457,7 @@ def chunk_form(gok, i_p, SEL: tl.constexpr, ANY: tl.constexpr):
 def kda_fwd_intra_chunk_kernel(
     q, k, gc, gd, gok, rs, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, ANY: tl.constexpr, SEL: tl.constexpr, L2NORM: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HF: tl.constexpr, PREC: tl.constexpr, ANY: tl.constexpr, SEL: tl.constexpr, L2NORM: tl.constexpr,
 ):
     """Two programs per chunk: Aqk (times scale; part 0) or Akk (to the scratch ls; part 1) of the
     whole chunk as [C, C] products level by level, from the cumulative gates of the whole chunk
@@ -462,7 +469,7 @@ def kda_fwd_intra_chunk_kernel(
     gok == 1; 2, only the others; 0, every chunk. (One program for both matrices held 255
     registers, 2 blocks per SM.) The row norms of q and k come from the tiles read here (part 0
     stores them to rs for the w/u kernel and the backward; the gates kernel then reads neither)."""
-    i_m, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 2)
+    i_m, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 2, HF)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     i_h = i_hv // (HV // H)
@@ -572,7 +579,7 @@ def _exact_cumsum(b_g):
 def kda_fwd_gates_kernel(
     q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, cu_seqlens, chunk_indices, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, HF: tl.constexpr,
     WHOLE: tl.constexpr, ANY: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
 ):
     """Block b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
@@ -586,7 +593,7 @@ def kda_fwd_gates_kernel(
     exact ones (gok != 1), which a second pass sums again exactly: gd is stored for those chunks
     alone, and read there alone. FAST: the softplus form (common.softplus)."""
     NSUB: tl.constexpr = 1 if WHOLE else C // 16
-    b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSUB)
+    b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSUB, HF)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     i_h = i_hv // (HV // H)
@@ -643,11 +650,11 @@ def kda_fwd_gates_kernel(
 def kda_fwd_intra_kernel(
     q, k, gc, ga, rs, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    SAFE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    SAFE: tl.constexpr, IS_VARLEN: tl.constexpr, HF: tl.constexpr, PREC: tl.constexpr,
 ):
     """Row block r of a chunk: Aqk (stored times scale) and Akk (to the scratch ls, which the
     backward reads too) against blocks j <= r."""
-    r, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, C // 16)
+    r, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, C // 16, HF)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     i_h = i_hv // (HV // H)
@@ -682,7 +689,7 @@ def _l_blk(ls, b_b, r, j, C: tl.constexpr, o_i):
 def kda_fwd_inverse_kernel(
     beta, gc, ls, xs, xh, gl, cu_seqlens, chunk_indices, T,
     HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, GL: tl.constexpr,
+    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, HF: tl.constexpr, GL: tl.constexpr,
     XH: tl.constexpr,
 ):
     """X = (I + L)^-1 with L = Diag(beta) Akk, block by block (float32 products):
@@ -692,7 +699,7 @@ def kda_fwd_inverse_kernel(
     X goes to the scratch xs (float32, or bfloat16 under X_BF16) and, with XH, a bfloat16 copy to
     xh (training: the w/u kernel reads the copy, the backward xs). Then, with GL, the chunk decay
     gl from the block sums (the whole-chunk path's gates kernel stores it itself)."""
-    _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1)
+    _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1, HF)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     o_i = tl.arange(0, 16)
@@ -765,7 +772,7 @@ def _blocks_around(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, 
 def kda_fwd_wu_kernel(
     q, k, v, beta, gc, ga, gd, gok, rs, xs, w, u, qg, kd, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BS: tl.constexpr,
-    NSK: tl.constexpr, NSV: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    NSK: tl.constexpr, NSV: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, HF: tl.constexpr,
     PREC: tl.constexpr, WHOLE: tl.constexpr, ANY: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Feature slice i_s of the chunk's w (the first NSK slices) or u (the rest, NSV), the whole
@@ -775,7 +782,7 @@ def kda_fwd_wu_kernel(
     the chunk start; otherwise block-local ones, and the exponents are sums of block sums and of the
     activated gates ga (never differences of long sums). PREC as _prod's ("bf16" with X stored as
     bfloat16, X_BF16)."""
-    i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK + NSV)
+    i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK + NSV, HF)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     i_h = i_hv // (HV // H)
@@ -893,7 +900,12 @@ def fwd_prepare(opts, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu_host, who
 
 def _where(opts, p: Prepared, cu_seqlens) -> dict:
     return dict(cu_seqlens=cu_seqlens, chunk_indices=p.chunk_indices, T=opts.shape.T, HV=opts.shape.HV,
-                C=opts.chunk_size, IS_VARLEN=cu_seqlens is not None)
+                C=opts.chunk_size, IS_VARLEN=cu_seqlens is not None, HF=HEADS_FIRST)
+
+
+def _grid(parts: int, HV: int) -> tuple[int, ...]:
+    """The grid of a stage-1 kernel, in the order HEADS_FIRST says (common.chunk_grid)."""
+    return chunk_grid(parts, HV, HEADS_FIRST)
 
 
 def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole, train) -> Prepared:
@@ -932,22 +944,22 @@ def fwd_intra(opts, q, k, g, beta, A_log, dt_bias, cu_seqlens, cu_host, whole, t
         # gates, intra and inverse do not see V: their warps follow K alone (V = 2K under context
         # parallelism's fused identity run runs the binaries tuned and tested for V = K); the
         # slice width also stays within V's (16 columns for V <= 16)
-        kda_fwd_gates_kernel[(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
+        kda_fwd_gates_kernel[_grid(NT_total * (1 if whole else NC), HV)](  # whole: one program per chunk
             q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, H=H, K=K, BK=BK,
             BS=min(GATES_SLICE_WHOLE if whole else GATES_SLICE, BS), L2NORM=opts.qk_l2norm, WHOLE=whole,
             ANY=any_gate, SPLIT=len(split_launches(any_gate, dt)) > 1, FAST=softplus_form(dt), **gate, **where,
             **launch_options(LAUNCH, "gates_whole" if whole else "gates", BK, BK))
         if whole:
             for any_sel, sel in split_launches(any_gate, dt):
-                kda_fwd_intra_chunk_kernel[(NT_total * 2, HV)](
+                kda_fwd_intra_chunk_kernel[_grid(NT_total * 2, HV)](
                     q, k, gc, gd, gok, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=min(CHUNK_SLICE, BK),
                     PREC=_chunk_prec(PREC, dt), ANY=any_sel, SEL=sel, L2NORM=opts.qk_l2norm, **where,
                     **launch_options(LAUNCH, "chunk", BK, BK))
         else:
-            kda_fwd_intra_kernel[(NT_total * NC, HV)](
+            kda_fwd_intra_kernel[_grid(NT_total * NC, HV)](
                 q, k, gc, ga, rs, Aqk, ls, scale=opts.scale, H=H, K=K, BK=BK, BS=BS, SAFE=opts.safe_gate, PREC=PREC,
                 **where, **launch_options(LAUNCH, "intra", BK, BK))
-        kda_fwd_inverse_kernel[(NT_total, HV)](
+        kda_fwd_inverse_kernel[_grid(NT_total, HV)](
             beta, gc, ls, xs, xh, gl, K=K, BK=BK, BS=BS, GL=not whole, SIGMOID=opts.beta_sigmoid,
             BETA_SCALE=opts.beta_scale, XH=xh is not None, **where, **launch_options(LAUNCH, "inverse", BK, BK))
     return p
@@ -977,7 +989,7 @@ def fwd_wu(opts, p: Prepared, q, k, v, beta, cu_seqlens, with_u: bool = True) ->
         low = xs.dtype != torch.float32
         BS = min(WU_SLICE_X16 if low else WU_SLICE, BK, BV)
         NSK, NSV = cdiv(K, BS), cdiv(V, BS) if with_u else 0
-        kda_fwd_wu_kernel[(p.NT_total * (NSK + NSV), HV)](
+        kda_fwd_wu_kernel[_grid(p.NT_total * (NSK + NSV), HV)](
             q, k, v, beta, p.gc, p.ga, p.gd, p.gok, p.rs, xs, w, u, qg, kd, scale=opts.scale, H=H, K=K, V=V, BS=BS,
             NSK=NSK, NSV=NSV, PREC=prec, WHOLE=p.ga is None,
             ANY=p.gd is not None, SPLIT=len(split_launches(p.gd is not None, dt)) > 1,

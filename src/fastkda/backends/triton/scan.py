@@ -68,9 +68,12 @@ SCAN_STAGES_CROWDED = 1
 U_IN_SCAN = "crowded"
 
 
-def u_in_scan(opts, keep: bool, dev: torch.device) -> bool:
-    """Whether the scan forms u itself (U_IN_SCAN): not where u is kept for the backward (``keep``)."""
-    if keep or not U_IN_SCAN:
+def u_in_scan(opts, keep: bool, dev: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the scan forms u itself (U_IN_SCAN) for inputs of ``dtype``: not where u is kept for
+    the backward (``keep``), nor for float16 inputs (their u product, tf32 from float32 X beside the
+    scan's float16 products, faulted on the H200 with the option forced on: illegal memory access,
+    Triton 3.6, B2 T1600 H4 K=V=128; bfloat16 and float32 inputs ran right)."""
+    if keep or not U_IN_SCAN or dtype == torch.float16:
         return False
     if U_IN_SCAN == "crowded":
         return _programs(opts, _scan_bv(opts, dev)) > platform.sm_count(dev)
@@ -168,7 +171,7 @@ def kda_fwd_output_kernel(
 ):
     """o = qg S + Aqk v' of one chunk and BV value columns, chunk-parallel, from the state entering
     the chunk (h [chunks, HV, K, V], written by the scan) and v'."""
-    i_v, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NV)
+    i_v, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NV, False)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     o_c = tl.arange(0, C)
