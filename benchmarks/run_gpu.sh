@@ -12,9 +12,14 @@
 # (OUTDIR/gpu_tests.log), so a run cut short still says what passed and what failed, and
 # OUTDIR/failures.log says why, as each failure happens. Tests marked bigmem run after the others,
 # one at a time.
+# With fla-core installed, its kernels for the forward and backward suites' cases compile first, in
+# one warm-up process per case (benchmarks/warm.py, keeping no autotuning results) while the tests
+# run; the benchmarks then time both libraries on a quiet GPU from compiled kernels. Without
+# fla-core (or FASTKDA_WARM=0) the benchmarks run first, then the tests.
 # Environment: FASTKDA_TEST_WORKERS (4), FASTKDA_TEST_TIMEOUT (all pytest runs, 300 s),
 # FASTKDA_BENCH_TIMEOUT (300 s), FASTKDA_BENCH_ARGS (extra bench_ops.py args), FASTKDA_CACHE_IN,
-# FASTKDA_CACHE_MAX_MB.
+# FASTKDA_CACHE_MAX_MB, FASTKDA_WARM (1), FASTKDA_WARM_CASES (comma-separated words: warm only
+# the cases whose name holds one, as bench_ops.py --cases), FASTKDA_WARM_TIMEOUT (300 s).
 set -uo pipefail
 out=${1:?output directory}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
@@ -35,31 +40,70 @@ pack() {  # the Triton cache into OUTDIR/tc.* (15 MB parts), replacing an earlie
 if [ -n "${FASTKDA_CACHE_IN:-}" ] && ls "$FASTKDA_CACHE_IN"/tc.* >/dev/null 2>&1; then
     cat "$FASTKDA_CACHE_IN"/tc.* | tar xzf - -C "$bench_cache" && stamp "Triton cache restored"
 fi
-if [ -n "$suites" ] && [ "$suites" != "none" ]; then
-    # shellcheck disable=SC2086
-    TRITON_CACHE_DIR=$bench_cache timeout "${FASTKDA_BENCH_TIMEOUT:-300}" \
-        python3 benchmarks/bench_ops.py --suite "$suites" --json "$out/bench.json" ${FASTKDA_BENCH_ARGS:-} 2>&1 \
-        | grep --line-buffered -v -i warn | tee "$out/bench.log"
-    stamp "benchmarks done"
-    pack
-fi
-if [ -n "$sel" ] && [ "$sel" != "none" ]; then
-    workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${FASTKDA_TEST_WORKERS:-4}")
-    deadline=$(( $(date +%s) + ${FASTKDA_TEST_TIMEOUT:-300} ))
-    : >"$out/gpu_tests.log"
-    # the tests in parallel workers, then those marked bigmem one at a time (they would crowd the GPU)
-    for pass in "not bigmem|$workers" "bigmem|"; do
-        left=$(( deadline - $(date +%s) ))
-        if [ "$left" -le 0 ]; then stamp "no time left for the tests marked '${pass%%|*}'"; continue; fi
+run_bench() {
+    if [ -n "$suites" ] && [ "$suites" != "none" ]; then
         # shellcheck disable=SC2086
-        TRITON_CACHE_DIR=$bench_cache FASTKDA_FAILURE_LOG="$out/failures.log" timeout "$left" python3 -m pytest -p no:cacheprovider \
-            -v -rfs -W ignore -m "${pass%%|*}" ${pass#*|} $sel "$@" 2>&1 \
-            | grep --line-buffered -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error|error|assert" >>"$out/gpu_tests.log"
-        stamp "tests (-m '${pass%%|*}') done (pytest exit ${PIPESTATUS[0]})"
+        TRITON_CACHE_DIR=$bench_cache timeout "${FASTKDA_BENCH_TIMEOUT:-300}" \
+            python3 benchmarks/bench_ops.py --suite "$suites" --json "$out/bench.json" ${FASTKDA_BENCH_ARGS:-} 2>&1 \
+            | grep --line-buffered -v -i warn | tee "$out/bench.log"
+        stamp "benchmarks done"
+        pack
+    fi
+}
+run_tests() {
+    if [ -n "$sel" ] && [ "$sel" != "none" ]; then
+        workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${FASTKDA_TEST_WORKERS:-4}")
+        deadline=$(( $(date +%s) + ${FASTKDA_TEST_TIMEOUT:-300} ))
+        : >"$out/gpu_tests.log"
+        # the tests in parallel workers, then those marked bigmem one at a time (they would crowd the GPU)
+        for pass in "not bigmem|$workers" "bigmem|"; do
+            left=$(( deadline - $(date +%s) ))
+            if [ "$left" -le 0 ]; then stamp "no time left for the tests marked '${pass%%|*}'"; continue; fi
+            # shellcheck disable=SC2086
+            TRITON_CACHE_DIR=$bench_cache FASTKDA_FAILURE_LOG="$out/failures.log" timeout "$left" python3 -m pytest -p no:cacheprovider \
+                -v -rfs -W ignore -m "${pass%%|*}" ${pass#*|} $sel "$@" 2>&1 \
+                | grep --line-buffered -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error|error|assert" >>"$out/gpu_tests.log"
+            stamp "tests (-m '${pass%%|*}') done (pytest exit ${PIPESTATUS[0]})"
+        done
+        # the tests' kernels too, unless that makes the packing too big to carry (then the benchmarks' stays)
+        if [ "$(tar czf - -C "$bench_cache" . | wc -c)" -le $(( ${FASTKDA_CACHE_MAX_MB:-60} * 1000000 )) ]; then pack; fi
+        grep -c PASSED "$out/gpu_tests.log" | sed 's/^/passed: /'
+        grep -E "FAILED|ERROR" "$out/gpu_tests.log" | head -n 40
+        grep -E "passed|failed" "$out/gpu_tests.log" | grep -v PASSED | tail -n 4
+    fi
+}
+warm_fla() {  # start one warm-up process per case of the forward and backward suites asked (pids: warming)
+    python3 -c "import fla" 2>/dev/null || return 0
+    local suite case
+    for suite in forward backward; do
+        case ",$suites," in *",$suite,"*) ;; *) continue ;; esac
+        while read -r case; do
+            TRITON_CACHE_DIR=$bench_cache FLA_CACHE_RESULTS=0 timeout "${FASTKDA_WARM_TIMEOUT:-300}" \
+                python3 benchmarks/warm.py fla "$suite" "$case" >>"$out/warm.log" 2>&1 &
+            warming+=("$!")
+        done < <(python3 - "$suite" "${FASTKDA_WARM_CASES:-}" <<'PY'
+import sys
+sys.path.insert(0, "benchmarks")
+import bench_ops
+words = [w for w in sys.argv[2].split(",") if w]
+for c in bench_ops.FORWARD if sys.argv[1] == "forward" else bench_ops.BACKWARD:
+    if not words or any(w in c[0] for w in words):
+        print(c[0])
+PY
+)
     done
-    # the tests' kernels too, unless that makes the packing too big to carry (then the benchmarks' stays)
-    if [ "$(tar czf - -C "$bench_cache" . | wc -c)" -le $(( ${FASTKDA_CACHE_MAX_MB:-60} * 1000000 )) ]; then pack; fi
-    grep -c PASSED "$out/gpu_tests.log" | sed 's/^/passed: /'
-    grep -E "FAILED|ERROR" "$out/gpu_tests.log" | head -n 40
-    grep -E "passed|failed" "$out/gpu_tests.log" | grep -v PASSED | tail -n 4
+}
+warming=()
+if [ "${FASTKDA_WARM:-1}" = 1 ] && [ -n "$suites" ] && [ "$suites" != "none" ]; then
+    warm_fla
+fi
+if [ "${#warming[@]}" -gt 0 ]; then
+    stamp "warming fla-core's kernels in ${#warming[@]} processes (OUTDIR/warm.log) while the tests run"
+    run_tests "$@"
+    wait "${warming[@]}"
+    stamp "warm-ups done"
+    run_bench
+else
+    run_bench
+    run_tests "$@"
 fi

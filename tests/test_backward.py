@@ -207,8 +207,8 @@ def test_scan_crowded_width(name, rng, monkeypatch):
     fwd_kw = {"num_warps": 8 if case.K > 64 else 4, "num_stages": 2 if case.dtype != torch.float32 else 1}
     bwd_kw = {**fwd_kw, "num_warps": 8}
     assert len(fwd) == 2 and len(bwd) == 1, (fwd, bwd)  # the forward and the backward's recomputation
-    assert all(g == (1, heads) and kw == fwd_kw for g, kw in fwd), fwd
-    assert all(g == (1, heads) and kw == bwd_kw for g, kw in bwd), bwd
+    assert all(g == (heads,) and kw == fwd_kw for g, kw in fwd), fwd  # common.seq_grid: one 128-column block
+    assert all(g == (heads,) and kw == bwd_kw for g, kw in bwd), bwd
 
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")

@@ -34,6 +34,16 @@ def run_forward(backend, case, rng, intermediate=False):
     return x, o, s, h
 
 
+def checked_forward(case, rng):
+    """The Triton forward of ``case`` against the float64 reference: output and final state."""
+    x, o, s, _ = run_forward("triton", case, rng)
+    o_ref, s_ref = reference(x)
+    tol = tol_for(case.dtype, "triton")
+    check("o", o, o_ref, tol)
+    if case.final_state:
+        check("final_state", s, s_ref, tol)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("axis", list(AXES))
 def test_forward_axis(backend, axis, rng):
@@ -255,6 +265,17 @@ def test_scan_stages_launch(sms, rng, monkeypatch):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+def test_seq_grid_one_dimension():
+    """The per-sequence kernels (state scans, decoding) launch on one grid dimension, blocks of value
+    columns times (sequence, value head) pairs: a grid's second dimension may not exceed 65535
+    programs, which 4096 sequences of 32 value heads would."""
+    from fastkda.backends.triton.common import seq_grid
+
+    assert seq_grid(128, 64, 4096 * 32) == (2 * 4096 * 32,)
+    assert seq_grid(100, 32, 3) == (12,)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("bv", [16, 32, 64])
 @pytest.mark.parametrize("axis", ["varlen", "k_ne_v", "state_v_first", "bf16"])
 def test_scan_width(axis, bv, rng, monkeypatch):
@@ -266,7 +287,7 @@ def test_scan_width(axis, bv, rng, monkeypatch):
 
     monkeypatch.setattr(scan, "SCAN_BV", bv)
     monkeypatch.setattr(scan, "SCAN_BV_NARROW", bv)
-    grids = spy_launches(monkeypatch, scan, "kda_fwd_scan_kernel", grids=True)  # (V / bv, sequences x value heads)
+    grids = spy_launches(monkeypatch, scan, "kda_fwd_scan_kernel", grids=True)  # (V / bv x sequences x value heads,)
     case = grow(AXES[axis], GPU)
     case = case.replace(V=64 if case.V == 32 else case.V)
     x, o, s, _ = run_forward("triton", case, rng)
@@ -279,7 +300,8 @@ def test_scan_width(axis, bv, rng, monkeypatch):
         o, _, h = chunk_kda(**x, chunk_size=case.chunk_size, return_intermediate_states=True)
     check("o (with h)", o, o_ref, tol)
     check("h", h, h_ref, tol)
-    assert grids and all(g[0] == -(-case.V // bv) for g in grids), grids
+    pairs = (len(case.seqlens) if case.seqlens is not None else case.B) * case.HV  # (sequence, value head) pairs
+    assert grids and all(g == (-(-case.V // bv) * pairs,) for g in grids), grids  # common.seq_grid
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
@@ -297,12 +319,7 @@ def test_u_in_scan(axis, u_in, rng, monkeypatch):
     grids = spy_launches(monkeypatch, prepare, "kda_fwd_wu_kernel", grids=True)
     given_u = scan_given_u(monkeypatch)
     case = grow(AXES[axis], GPU)
-    x, o, s, _ = run_forward("triton", case, rng)
-    o_ref, s_ref = reference(x)
-    tol = tol_for(case.dtype, "triton")
-    check("o", o, o_ref, tol)
-    if case.final_state:
-        check("final_state", s, s_ref, tol)
+    checked_forward(case, rng)
     u_in = u_in and case.dtype != torch.float16  # float16 inputs keep the w/u kernel's u (scan.u_in_scan)
     assert given_u == [not u_in], given_u
     bs = prepare.WU_SLICE_X16 if case.dtype == torch.bfloat16 and prepare.X_BF16 else prepare.WU_SLICE
@@ -329,12 +346,7 @@ def test_stage1_launch_order(axis, heads_first, rng, monkeypatch):
              "kda_fwd_wu_kernel")
     grids = spy_launches(monkeypatch, prepare, *names, grids=True)
     case = grow(AXES[axis], GPU)
-    x, o, s, _ = run_forward("triton", case, rng)
-    o_ref, s_ref = reference(x)
-    tol = tol_for(case.dtype, "triton")
-    check("o", o, o_ref, tol)
-    if case.final_state:
-        check("final_state", s, s_ref, tol)
+    checked_forward(case, rng)
     assert len(grids) >= 4, grids
     if heads_first:
         assert all(len(g) == 1 and g[0] % case.HV == 0 for g in grids), (grids, case.HV)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ...testing import new_empty
 from ... import platform
-from .common import cdiv, mma, pow2, scan_stages, scan_warps, sequence_location
+from .common import cdiv, mma, pow2, scan_stages, scan_warps, seq_grid, seq_program, sequence_location
 from .scan import _state_ptrs, chunk_operands
 
 BWD_SCAN_BV = 64
@@ -41,7 +41,7 @@ def kda_bwd_scan_kernel(
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_v, i_nh = seq_program(V, BV)
     i_n, i_hv = i_nh // HV, i_nh % HV
     bos, T_seq, c_off = sequence_location(i_n, cu_seqlens, chunk_offsets, T, C, IS_VARLEN)
     o_c = tl.arange(0, C)
@@ -91,7 +91,7 @@ def bwd_scan(opts, qg, w, kd, Aqk, gl, do, dht, cu_seqlens, chunk_offsets, NT_to
     if BK <= 128 and BWD_SCAN_BV_CROWDED and cdiv(V, BV) * N * HV > platform.sm_count(dev):
         BV = min(pow2(V), BWD_SCAN_BV_CROWDED)
     if N * HV > 0:
-        kda_bwd_scan_kernel[(cdiv(V, BV), N * HV)](
+        kda_bwd_scan_kernel[seq_grid(V, BV, N * HV)](
             qg, w, kd, Aqk, gl, do, dht, dhs, dh0, dvn, cu_seqlens, chunk_offsets, T,
             HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=want_dh0,
             V_FIRST=opts.state_v_first, IS_VARLEN=cu_seqlens is not None, DT=DT, PREC=PREC, EMU=EMU,

@@ -137,6 +137,21 @@ def chunk_grid(parts: int, HV: int, heads_first: bool = False) -> tuple[int, ...
     return (HV * parts,) if heads_first else (parts, HV)
 
 
+def seq_grid(V: int, BV: int, NH: int) -> tuple[int]:
+    """The grid of a per-sequence kernel (seq_program): cdiv(V, BV) value-column blocks times NH
+    (sequence, value head) pairs in one dimension, the block varying fastest (a grid's second
+    dimension may not exceed 65535, which NH can: thousands of sequences times the heads)."""
+    return (cdiv(V, BV) * NH,)
+
+
+@triton.jit
+def seq_program(V: tl.constexpr, BV: tl.constexpr):
+    """(value-column block, (sequence, value head) pair) of this program in a seq_grid."""
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_pid = tl.program_id(0).to(tl.int64)
+    return (i_pid % NV).to(tl.int32), i_pid // NV
+
+
 @triton.jit
 def chunk_program(cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexpr, IS_VARLEN: tl.constexpr,
                   NSUB: tl.constexpr, HF: tl.constexpr):

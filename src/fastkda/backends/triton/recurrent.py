@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ... import platform
 from ...testing import new_empty
-from .common import activate_gate, cdiv, contiguous, contiguous_inputs, gate_launch, pow2
+from .common import activate_gate, cdiv, contiguous, contiguous_inputs, gate_launch, pow2, seq_grid, seq_program
 
 # value columns and warps per program: many one-warp programs keep the most state loads in
 # flight (H200, N=256 H=32 K=V=128, CUDA graph: BV=16/1 warp 0.356 ms, 32/1 0.373, 32/4 0.404)
@@ -80,7 +80,7 @@ def kda_recurrent_kernel(
     BETA_SCALE: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, POOL: tl.constexpr, SPEC: tl.constexpr,
     INPLACE: tl.constexpr, V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_v, i_nh = seq_program(V, BV)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
@@ -204,7 +204,7 @@ def recurrent_forward(opts, x):
     BV, warps = (REC_BV, REC_WARPS) if BK <= 128 else REC_WIDE
     BV = min(pow2(V), BV)
     if N * HV > 0:
-        kda_recurrent_kernel[(cdiv(V, BV), N * HV)](
+        kda_recurrent_kernel[seq_grid(V, BV, N * HV)](
             q, k, v, g, beta, x.A_log, x.dt_bias, o, h0, ht, x.cu_seqlens, idx, acc, err,
             scale=opts.scale, T=T, num_slots=num_slots, stride_idx=idx.stride(0) if idx is not None else 0, COLS=cols,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **gate_launch(opts, x.A_log, x.dt_bias), L2NORM=opts.qk_l2norm,

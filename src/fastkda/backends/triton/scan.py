@@ -20,8 +20,8 @@ import triton.language as tl
 
 from ... import platform
 from ...testing import new_empty
-from .common import (block_lower, cdiv, chunk_program, mma, out_alloc, pow2, scan_stages, scan_warps,
-                     sequence_location)
+from .common import (block_lower, cdiv, chunk_program, mma, out_alloc, pow2, scan_stages, scan_warps, seq_grid,
+                     seq_program, sequence_location)
 from .prepare import _beta, _prod, wu_operands
 
 # launch configuration (module-level so that benchmarks can compare variants)
@@ -118,7 +118,7 @@ def kda_fwd_scan_kernel(
 ):
     """U_IN (U_IN_SCAN): u = X (beta v) of each chunk from X (xs, [chunks, HV, C, C], block lower)
     and v, beta, at precision UPREC (prepare._prod's, as the w/u kernel's); otherwise u is read."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_v, i_nh = seq_program(V, BV)
     i_n, i_hv = i_nh // HV, i_nh % HV
     bos, T_seq, c_off = sequence_location(i_n, cu_seqlens, chunk_offsets, T, C, IS_VARLEN)
     o_c = tl.arange(0, C)
@@ -261,7 +261,7 @@ def fwd_scan(opts, p, h0, cu_seqlens, v_dtype, DT, PREC, EMU, outputs=True, keep
         vn = new_empty(B, T, HV, V, dtype=p.w.dtype, device=dev)
         o_scan = None
     if N * HV > 0:
-        kda_fwd_scan_kernel[(cdiv(V, BV), N * HV)](
+        kda_fwd_scan_kernel[seq_grid(V, BV, N * HV)](
             p.w, p.u, xs, v if u_in else None, beta if u_in else None, p.qg, p.kd, p.Aqk, p.gl, h0, ht, h, o_scan,
             vn, cu_seqlens, p.chunk_offsets, T,
             HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
