@@ -15,7 +15,8 @@
 # With fla-core installed, its kernels for the forward and backward suites' cases compile first, in
 # one warm-up process per case (benchmarks/warm.py, keeping no autotuning results) while the tests
 # run; the benchmarks then time both libraries on a quiet GPU from compiled kernels. Without
-# fla-core (or FASTKDA_WARM=0) the benchmarks run first, then the tests.
+# fla-core (or FASTKDA_WARM=0) the benchmarks run first, then the tests. The warm-ups share the
+# machine's cores with the tests (whose time limit counts from their start).
 # Environment: FASTKDA_TEST_WORKERS (4), FASTKDA_TEST_TIMEOUT (all pytest runs, 300 s),
 # FASTKDA_BENCH_TIMEOUT (300 s), FASTKDA_BENCH_ARGS (extra bench_ops.py args), FASTKDA_CACHE_IN,
 # FASTKDA_CACHE_MAX_MB, FASTKDA_WARM (1), FASTKDA_WARM_CASES (comma-separated words: warm only
@@ -24,6 +25,7 @@ set -uo pipefail
 out=${1:?output directory}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 suites=${2:-forward}
+suites=${suites// /}
 sel=${3:-tests}
 shift 3 || shift $#
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
@@ -32,6 +34,9 @@ start=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
 
 bench_cache=$(mktemp -d)
+fits() {  # whether the packed Triton cache stays within FASTKDA_CACHE_MAX_MB
+    [ "$(tar czf - -C "$bench_cache" . | wc -c)" -le $(( ${FASTKDA_CACHE_MAX_MB:-60} * 1000000 )) ]
+}
 pack() {  # the Triton cache into OUTDIR/tc.* (15 MB parts), replacing an earlier packing
     rm -f "$out"/tc.*
     tar czf - -C "$bench_cache" . | split -b 15m - "$out/tc."
@@ -47,7 +52,8 @@ run_bench() {
             python3 benchmarks/bench_ops.py --suite "$suites" --json "$out/bench.json" ${FASTKDA_BENCH_ARGS:-} 2>&1 \
             | grep --line-buffered -v -i warn | tee "$out/bench.log"
         stamp "benchmarks done"
-        pack
+        # after the tests (warm-up runs) the cache also holds their kernels: packed only if it fits
+        if [ "${#warming[@]}" -eq 0 ] || fits; then pack; else echo "Triton cache not packed: over FASTKDA_CACHE_MAX_MB"; fi
     fi
 }
 run_tests() {
@@ -66,7 +72,8 @@ run_tests() {
             stamp "tests (-m '${pass%%|*}') done (pytest exit ${PIPESTATUS[0]})"
         done
         # the tests' kernels too, unless that makes the packing too big to carry (then the benchmarks' stays)
-        if [ "$(tar czf - -C "$bench_cache" . | wc -c)" -le $(( ${FASTKDA_CACHE_MAX_MB:-60} * 1000000 )) ]; then pack; fi
+        # (not while warm-up processes still write to the cache: the benchmarks after them pack it)
+        if [ "${#warming[@]}" -eq 0 ] && fits; then pack; fi
         grep -c PASSED "$out/gpu_tests.log" | sed 's/^/passed: /'
         grep -E "FAILED|ERROR" "$out/gpu_tests.log" | head -n 40
         grep -E "passed|failed" "$out/gpu_tests.log" | grep -v PASSED | tail -n 4
@@ -78,7 +85,9 @@ warm_fla() {  # start one warm-up process per case of the forward and backward s
     for suite in forward backward; do
         case ",$suites," in *",$suite,"*) ;; *) continue ;; esac
         while read -r case; do
-            TRITON_CACHE_DIR=$bench_cache FLA_CACHE_RESULTS=0 timeout "${FASTKDA_WARM_TIMEOUT:-300}" \
+            # no autotuning results kept: TRITON_CACHE_AUTOTUNING=1 (exported above) would keep them
+            # even with fla-core's FLA_CACHE_RESULTS=0, tuned on a GPU busy with the tests
+            TRITON_CACHE_DIR=$bench_cache TRITON_CACHE_AUTOTUNING=0 FLA_CACHE_RESULTS=0 timeout "${FASTKDA_WARM_TIMEOUT:-300}" \
                 python3 benchmarks/warm.py fla "$suite" "$case" >>"$out/warm.log" 2>&1 &
             warming+=("$!")
         done < <(python3 - "$suite" "${FASTKDA_WARM_CASES:-}" <<'PY'

@@ -320,7 +320,7 @@ def test_u_in_scan(axis, u_in, rng, monkeypatch):
     given_u = scan_given_u(monkeypatch)
     case = grow(AXES[axis], GPU)
     checked_forward(case, rng)
-    u_in = u_in and case.dtype != torch.float16  # float16 inputs keep the w/u kernel's u (scan.u_in_scan)
+    u_in = u_in and case.dtype != torch.float16  # float32 X, 16-bit inputs: scan.u_in_scan
     assert given_u == [not u_in], given_u
     bs = prepare.WU_SLICE_X16 if case.dtype == torch.bfloat16 and prepare.X_BF16 else prepare.WU_SLICE
     bs = min(bs, pow2(case.K), pow2(case.V))
@@ -352,6 +352,20 @@ def test_stage1_launch_order(axis, heads_first, rng, monkeypatch):
         assert all(len(g) == 1 and g[0] % case.HV == 0 for g in grids), (grids, case.HV)
     else:
         assert all(len(g) == 2 and g[1] == case.HV for g in grids), (grids, case.HV)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("x_bf16", [True, False])
+def test_u_in_scan_needs_16bit_x(x_bf16, rng, monkeypatch):
+    """bfloat16 inputs have the scan form u only with X in bfloat16 (prepare.X_BF16): with float32
+    X the w/u kernel keeps u (scan.u_in_scan); the output right either way."""
+    from fastkda.backends.triton import prepare, scan
+
+    monkeypatch.setattr(scan, "U_IN_SCAN", True)
+    monkeypatch.setattr(prepare, "X_BF16", x_bf16)
+    given_u = scan_given_u(monkeypatch)
+    checked_forward(grow(AXES["bf16"], GPU), rng)
+    assert given_u == [not x_bf16], given_u
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")

@@ -68,12 +68,14 @@ SCAN_STAGES_CROWDED = 1
 U_IN_SCAN = "crowded"
 
 
-def u_in_scan(opts, keep: bool, dev: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the scan forms u itself (U_IN_SCAN) for inputs of ``dtype``: not where u is kept for
-    the backward (``keep``), nor for float16 inputs (their u product, tf32 from float32 X beside the
-    scan's float16 products, faulted on the H200 with the option forced on: illegal memory access,
-    Triton 3.6, B2 T1600 H4 K=V=128; bfloat16 and float32 inputs ran right)."""
-    if keep or not U_IN_SCAN or dtype == torch.float16:
+def u_in_scan(opts, keep: bool, dev: torch.device, dtype: torch.dtype, x_dtype: torch.dtype) -> bool:
+    """Whether the scan forms u itself (U_IN_SCAN) for inputs of ``dtype`` and X of ``x_dtype``
+    (prepare.wu_operands): not where u is kept for the backward (``keep``), nor for 16-bit inputs
+    with float32 X (float16 inputs; bfloat16 ones with X_BF16 or X_BF16_TRAIN off): that u product,
+    tf32 from float32 X beside the scan's 16-bit products, faulted on the H200 for float16 inputs
+    with the option forced on (illegal memory access, Triton 3.6, B2 T1600 H4 K=V=128); bfloat16
+    inputs with bfloat16 X and float32 inputs ran right."""
+    if keep or not U_IN_SCAN or (dtype != torch.float32 and x_dtype == torch.float32):
         return False
     if U_IN_SCAN == "crowded":
         return _programs(opts, _scan_bv(opts, dev)) > platform.sm_count(dev)
@@ -144,7 +146,7 @@ def kda_fwd_scan_kernel(
             b_X = block_lower(xs + ((c_off + i_t) * HV + i_hv) * C * C, o_c, C)  # [C, C]
             b_y = tl.load(v + p_uv + r_t * (HV * V), mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
             b_y *= _beta(beta, bos, i_t * C, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)[:, None]
-            b_u = _prod(b_X, b_y, UPREC)  # [C, BV]
+            b_u = tl.where(m_t[:, None], _prod(b_X, b_y, UPREC), 0.0)  # [C, BV]; rows past the sequence 0
         else:
             b_u = tl.load(u + p_uv + r_t * (HV * V), mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
 
