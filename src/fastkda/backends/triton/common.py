@@ -165,7 +165,7 @@ def chunk_program(cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexp
         i_hv, i_x = i_pid % HV, i_pid // HV
     else:
         i_hv, i_x = tl.program_id(1).to(tl.int64), tl.program_id(0).to(tl.int64)
-    i_c, i_sub = i_x // NSUB, i_x % NSUB
+    i_c, i_sub = i_x // NSUB, (i_x % NSUB).to(tl.int32)
     _, i_t, bos, T_seq = chunk_location(i_c, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
     return i_sub, i_hv, i_c * HV + i_hv, bos, T_seq, i_t * C
 

@@ -28,7 +28,7 @@ from ...options import KDAInputs, KDAOptions
 from .bwd_chunk import bwd_chunk, bwd_qk, whole_backward
 from .bwd_scan import bwd_scan
 from .common import contiguous, contiguous_inputs, dot_config, graph_seqlens
-from .prepare import Prepared, chunk_tables_of, fwd_intra, fwd_wu, whole_forward, wu_operands
+from .prepare import Prepared, chunk_tables_of, fwd_intra, fwd_wu, whole_forward
 from .scan import fwd_scan, u_in_scan
 
 
@@ -60,8 +60,7 @@ def forward_stages(opts: KDAOptions, x: KDAInputs, outputs: bool = True, keep: b
         whole = whole_forward(opts, train, whole_backward(opts, x.q.dtype))
         intra = fwd_intra(opts, x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, x.cu_seqlens_cpu, whole,
                           train)
-    u_in = u_in_scan(opts, keep, x.q.device, x.q.dtype, wu_operands(intra, x.q.dtype)[0].dtype)
-    p = fwd_wu(opts, intra, x.q, x.k, x.v, x.beta, x.cu_seqlens, with_u=not u_in)
+    p = fwd_wu(opts, intra, x.q, x.k, x.v, x.beta, x.cu_seqlens, with_u=not u_in_scan(opts, intra, keep, x.q.dtype))
     o, ht, h, vn = fwd_scan(opts, p, x.initial_state, x.cu_seqlens, x.v.dtype, *dot_config(x.q.dtype),
                             outputs=outputs, keep=keep, v=x.v, beta=x.beta)
     return p, o, ht, h, vn

@@ -457,7 +457,8 @@ def chunk_form(gok, i_p, SEL: tl.constexpr, ANY: tl.constexpr):
 def kda_fwd_intra_chunk_kernel(
     q, k, gc, gd, gok, rs, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HF: tl.constexpr, PREC: tl.constexpr, ANY: tl.constexpr, SEL: tl.constexpr, L2NORM: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HF: tl.constexpr, PREC: tl.constexpr, ANY: tl.constexpr, SEL: tl.constexpr,
+    L2NORM: tl.constexpr,
 ):
     """Two programs per chunk: Aqk (times scale; part 0) or Akk (to the scratch ls; part 1) of the
     whole chunk as [C, C] products level by level, from the cumulative gates of the whole chunk
@@ -579,7 +580,8 @@ def _exact_cumsum(b_g):
 def kda_fwd_gates_kernel(
     q, k, g, A_log, dt_bias, gc, ga, gd, gok, gl, rs, cu_seqlens, chunk_indices, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, HF: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HF: tl.constexpr,
     WHOLE: tl.constexpr, ANY: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
 ):
     """Block b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
@@ -772,7 +774,8 @@ def _blocks_around(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, 
 def kda_fwd_wu_kernel(
     q, k, v, beta, gc, ga, gd, gok, rs, xs, w, u, qg, kd, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BS: tl.constexpr,
-    NSK: tl.constexpr, NSV: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, HF: tl.constexpr,
+    NSK: tl.constexpr, NSV: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HF: tl.constexpr,
     PREC: tl.constexpr, WHOLE: tl.constexpr, ANY: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Feature slice i_s of the chunk's w (the first NSK slices) or u (the rest, NSV), the whole

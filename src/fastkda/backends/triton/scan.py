@@ -68,16 +68,17 @@ SCAN_STAGES_CROWDED = 1
 U_IN_SCAN = "crowded"
 
 
-def u_in_scan(opts, keep: bool, dev: torch.device, dtype: torch.dtype, x_dtype: torch.dtype) -> bool:
-    """Whether the scan forms u itself (U_IN_SCAN) for inputs of ``dtype`` and X of ``x_dtype``
-    (prepare.wu_operands): not where u is kept for the backward (``keep``), nor for 16-bit inputs
+def u_in_scan(opts, p, keep: bool, dtype: torch.dtype) -> bool:
+    """Whether the scan forms u itself (U_IN_SCAN) for inputs of ``dtype`` and the X of stage 1's
+    ``p`` (prepare.wu_operands): not where u is kept for the backward (``keep``), nor for 16-bit inputs
     with float32 X (float16 inputs; bfloat16 ones with X_BF16 or X_BF16_TRAIN off): that u product,
     tf32 from float32 X beside the scan's 16-bit products, faulted on the H200 for float16 inputs
     with the option forced on (illegal memory access, Triton 3.6, B2 T1600 H4 K=V=128); bfloat16
     inputs with bfloat16 X and float32 inputs ran right."""
-    if keep or not U_IN_SCAN or (dtype != torch.float32 and x_dtype == torch.float32):
+    if keep or not U_IN_SCAN or (dtype != torch.float32 and wu_operands(p, dtype)[0].dtype == torch.float32):
         return False
     if U_IN_SCAN == "crowded":
+        dev = p.xs.device
         return _programs(opts, _scan_bv(opts, dev)) > platform.sm_count(dev)
     return True
 
