@@ -209,13 +209,20 @@ def breakdown(name="B1 T8192 H64"):
     rows = []
     with torch.inference_mode():
         opts, inp = chunk_options(*x.values(), **call)
-        args = (opts, inp.q, inp.k, inp.v, inp.g, inp.beta, inp.A_log, inp.dt_bias, None, None,
-                prepare.whole_forward(opts, False, False))
-        out = prepare.fwd_prepare(*args)  # the path inference takes
-        ms = tt.do_bench(lambda: prepare.fwd_prepare(*args), warmup=25, rep=100, return_mode="median")
-        rows.append({"stage": "prepare", "ms": ms})
-        print(f"{name}: prepare (4 launches): {ms:.3f} ms", flush=True)
+        whole = prepare.whole_forward(opts, False, False)
+
+        def stage1():  # the path inference takes: u formed in the scan where scan.u_in_scan says so
+            intra = prepare.fwd_intra(opts, inp.q, inp.k, inp.g, inp.beta, inp.A_log, inp.dt_bias, None, None, whole,
+                                      False)
+            u_in = scan.u_in_scan(opts, intra, False, inp.q.dtype)
+            return prepare.fwd_wu(opts, intra, inp.q, inp.k, inp.v, inp.beta, None, with_u=not u_in)
+
+        out = stage1()
+        ms = tt.do_bench(stage1, warmup=25, rep=100, return_mode="median")
+        rows.append({"case": name, "stage": "prepare", "ms": ms, "u_in_scan": out.u is None})
+        print(f"{name}: prepare (4 launches{', u left to the scan' if out.u is None else ''}): {ms:.3f} ms", flush=True)
         sargs = (opts, out, None, None, inp.v.dtype, *common.dot_config(inp.q.dtype))
+        skw = dict(v=inp.v, beta=inp.beta)
         kept = scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS, scan.SCAN_STAGES, scan.SCAN_STAGES_CROWDED
         for bv, warps, stages in ((64, 8, 2), (64, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 3), (128, 8, 2), (64, 4, 1)):
             # both widths and both stage counts: the scan takes SCAN_BV_NARROW for shapes of few
@@ -223,12 +230,12 @@ def breakdown(name="B1 T8192 H64"):
             scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS = bv, bv, warps
             scan.SCAN_STAGES = scan.SCAN_STAGES_CROWDED = stages
             try:
-                scan.fwd_scan(*sargs)
-                ms = tt.do_bench(lambda: scan.fwd_scan(*sargs), warmup=25, rep=100, return_mode="median")
+                scan.fwd_scan(*sargs, **skw)
+                ms = tt.do_bench(lambda: scan.fwd_scan(*sargs, **skw), warmup=25, rep=100, return_mode="median")
             except Exception as e:  # an out-of-resources configuration
                 print(f"scan BV={bv} warps={warps} stages={stages}: {type(e).__name__}")
                 continue
-            rows.append({"stage": "scan", "BV": bv, "warps": warps, "stages": stages, "ms": ms})
+            rows.append({"case": name, "stage": "scan", "BV": bv, "warps": warps, "stages": stages, "ms": ms})
             print(f"{name}: scan BV={bv} warps={warps} stages={stages}: {ms:.3f} ms", flush=True)
         scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS, scan.SCAN_STAGES, scan.SCAN_STAGES_CROWDED = kept
     return rows
@@ -401,7 +408,8 @@ def run(args):
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
 
-    suites = {"stages": ("forward_stages", breakdown),
+    suites = {"stages": ("forward_stages", lambda: [r for c in (pick(FORWARD) if args.cases else FORWARD[:1])
+                                                    for r in breakdown(c[0])]),
               "forward": ("forward", lambda: bench_forward(pick(FORWARD), not args.no_error,
                                                            lambda rows: save("forward", rows))),
               "backward": ("backward", lambda: bench_backward(pick(BACKWARD), lambda rows: save("backward", rows))),
