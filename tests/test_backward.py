@@ -561,3 +561,15 @@ def test_parameter_layouts(backend, rng):
     check("o", o2, o1, 1e-6)
     for name, a, b_ in zip(("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias"), g2, g1):
         check(name, a.reshape(b_.shape), b_, 1e-6)
+
+
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+def test_double_backward_raises(rng):
+    """The Triton backward has no backward of its own: a second-order gradient through it raises
+    (once-differentiable) instead of returning a wrong one."""
+    x = make_inputs(Case(T=20, H=1, HV=1, K=16, V=16), device=DEVICE, requires_grad=True, generator=rng)
+    with use_backend("triton"):
+        o, s = chunk_kda(**x)
+    (dq,) = torch.autograd.grad((o * o).sum() + s.sum(), x["q"], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dq.sum().backward()

@@ -69,14 +69,18 @@ EXACT_PAIRS = None
 # (softplus, a lower-bound gate without safe_gate) with prepare.WHOLE_ANY. True/False force it on or
 # off for those gates of any dtype; None: bfloat16 only (EXACT_PAIRS=True keeps the block path).
 WHOLE_BACKWARD = None
-# Products of that kernel per input dtype. In tf32 the row and the column form of a pair term round
-# apart and their cancellation in dg leaves tf32's residue, inside bfloat16's budget: at extreme
-# bounded gates dg's error is 4.7e-3 against 2.5e-3 on the block path (H200, bf16, T=2048; 6.7e-3
-# while the diagonal of dAqk still ran through the products); tf32x3 kept 2.4e-3 but made the step
-# slower than the block path (17.2 against 15.6 ms at B1 T8192 H64; tf32: 13.5-13.7 ms; both measured with
-# an earlier kernel of [C, C] products level by level).
-# float16's budget (2e-3) needs tf32x3 (docs/math.md section 5).
+# Products of that kernel per input dtype. A pair term enters dg twice, through its row and its
+# column, rounded apart; the residue of their cancellation is of the products' precision. Bounded
+# gates (safe_gate) take tf32 for bfloat16; unbounded ones tf32x3, since dA_log = sum(y dgate) weighs
+# that residue by the activated gate y, which is unbounded (docs/math.md section 5). float16's budget
+# needs tf32x3 for every gate.
 PAIR_PREC = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"}
+PAIR_PREC_UNBOUNDED = {torch.bfloat16: "tf32x3", torch.float16: "tf32x3", torch.float32: "ieee"}
+
+
+def pair_precision(opts, dtype: torch.dtype) -> str:
+    """The input precision of kda_bwd_gate_block_kernel's pair products (see PAIR_PREC)."""
+    return (PAIR_PREC if opts.safe_gate else PAIR_PREC_UNBOUNDED)[dtype]
 
 
 def whole_backward(opts, dtype: torch.dtype) -> bool:
@@ -659,7 +663,7 @@ def bwd_chunk(opts, x, p, vn, h, dhs, do, dvn, cu_seqlens):
             for any_sel, sel in split_launches(p.gd is not None, x.q.dtype):
                 kda_bwd_gate_block_kernel[(NT * (C // 16) * NSB, HV)](
                     x.q, x.k, p.gc, p.gd, p.gok, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_tot, scale=opts.scale, H=H,
-                    K=K, BS=BSB, NSK=NSB, ANY=any_sel, SEL=sel, **{**where, "PREC": PAIR_PREC[x.q.dtype]},
+                    K=K, BS=BSB, NSK=NSB, ANY=any_sel, SEL=sel, **{**where, "PREC": pair_precision(opts, x.q.dtype)},
                     **launch_options(LAUNCH, "gate_block", BK, BV))
             BSG = min(DG_SLICE, BK)
             NSG = cdiv(K, BSG)

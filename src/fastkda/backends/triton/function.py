@@ -23,6 +23,7 @@ and kd are freed before the chunk kernel (Aqk too when the backward recomputed i
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ...options import KDAInputs, KDAOptions
 from .bwd_chunk import bwd_chunk, bwd_qk, whole_backward
@@ -99,6 +100,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         ctx.opts = opts
 
     @staticmethod
+    @once_differentiable  # the kernels' backward has no backward: a double backward raises
     def backward(ctx, do, dht, *_):
         opts = ctx.opts
         q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, *kept = ctx.saved_tensors
