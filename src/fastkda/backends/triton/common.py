@@ -101,13 +101,22 @@ def gate_backward(b_x, b_dy, A_log, i_hv, lower_bound, GATE: tl.constexpr, HAS_A
 
 
 @triton.jit
+def seq_bounds(cu_seqlens, i_n, T):
+    """(first token, length) of sequence i_n, its boundaries clamped to [0, T] and its end to at
+    least its start: whatever cu_seqlens holds, rows [bos, bos + length) lie within the T rows."""
+    bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_n).to(tl.int64), 0), T)
+    eos = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_n + 1).to(tl.int64), bos), T)
+    return bos, eos - bos
+
+
+@triton.jit
 def chunk_location(i_c, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(sequence, chunk within it, first token of the sequence, its length) of global chunk i_c."""
+    """(sequence, chunk within it, first token of the sequence, its length) of global chunk i_c.
+    Varlen: the boundaries are clamped to [0, T] (seq_bounds)."""
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
         i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        bos, T_seq = seq_bounds(cu_seqlens, i_n, T)
     else:
         NT = tl.cdiv(T, C)
         i_n, i_t = i_c // NT, i_c % NT
@@ -118,11 +127,14 @@ def chunk_location(i_c, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VARLEN
 
 @triton.jit
 def sequence_location(i_n, cu_seqlens, chunk_offsets, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(first token, length, first global chunk index) of sequence i_n."""
+    """(first token, length, first global chunk index) of sequence i_n. Varlen: the boundaries
+    clamped to [0, T] and the length to the chunks the host's tables give the sequence, so that
+    boundaries changed behind the tables' back (values the host never saw) index nothing outside
+    the tensors and the per-chunk scratches."""
     if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        bos, T_seq = seq_bounds(cu_seqlens, i_n, T)
         c_off = tl.load(chunk_offsets + i_n).to(tl.int64)
+        T_seq = tl.minimum(T_seq, (tl.load(chunk_offsets + i_n + 1).to(tl.int64) - c_off) * C)
     else:
         bos = i_n * T
         T_seq = T
