@@ -32,6 +32,9 @@ def fake_fla(monkeypatch):
     mods["fla.ops.kda"].fused_recurrent_kda = fns["fused_recurrent_kda"]
     mods["user_model"].chunk_kda = fns["chunk_kda"]  # `from fla.ops.kda import chunk_kda` in a model
     mods["user_model"].helper = len  # untouched
+    mods["user_code"] = types.ModuleType("user_code")  # imported fastkda itself: never touched
+    mods["user_code"].chunk_kda = fastkda.chunk_kda
+    monkeypatch.setitem(sys.modules, "user_code", mods["user_code"])
     yield mods, fns
     compat.unroute_fla_kda()
 
@@ -48,6 +51,7 @@ def test_route_and_unroute(fake_fla):
     assert compat.unroute_fla_kda() == 7
     assert mods["user_model"].chunk_kda is fns["chunk_kda"] and not compat.routed()
     assert fastkda.chunk_kda is compat._OURS["chunk_kda"]  # fastkda's own names never change
+    assert mods["user_code"].chunk_kda is fastkda.chunk_kda
 
 
 def test_route_without_fla(monkeypatch):

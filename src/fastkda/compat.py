@@ -33,11 +33,13 @@ _OURS = {
 }
 _lock = threading.Lock()
 _originals: dict[str, object] = {}  # name -> fla's function, while routed
+_replaced: list[tuple[object, str, object]] = []  # (module, attribute, fla's value) routing replaced
 
 
-def _swap(table: dict[int, object]) -> int:
-    """In every loaded module, replace each attribute whose value's id is a key of ``table`` by the
-    value; the number of replacements."""
+def _route_modules() -> int:
+    """Replace, in every loaded module but fastkda's, each attribute that holds one of fla's
+    functions in _originals by fastkda's; remember each place; the number replaced."""
+    by_id = {id(fla_fn): _OURS[name] for name, fla_fn in _originals.items()}
     count = 0
     for mod_name, module in list(sys.modules.items()):
         if mod_name == "fastkda" or mod_name.startswith("fastkda."):
@@ -45,10 +47,11 @@ def _swap(table: dict[int, object]) -> int:
         attrs = getattr(module, "__dict__", None)
         if not attrs:
             continue
-        for name, value in list(attrs.items()):
-            new = table.get(id(value))
+        for attr, value in list(attrs.items()):
+            new = by_id.get(id(value))
             if new is not None and value is not new:
-                setattr(module, name, new)
+                setattr(module, attr, new)
+                _replaced.append((module, attr, value))
                 count += 1
     return count
 
@@ -56,7 +59,8 @@ def _swap(table: dict[int, object]) -> int:
 def route_fla_kda() -> int:
     """Make fla's KDA entry points fastkda's, in fla's modules and in every loaded module that
     imported them; returns the number of names replaced. Raises ModuleNotFoundError when fla is
-    not installed. Calling it again is harmless."""
+    not installed. Calling it again routes what was imported since (modules loaded later that
+    import from fla.ops.kda get fastkda's functions already)."""
     with _lock:
         for mod_name, names in _FLA_MODULES.items():
             module = importlib.import_module(mod_name)
@@ -66,15 +70,19 @@ def route_fla_kda() -> int:
                     raise AttributeError(f"{mod_name} has no `{name}`: an fla release this routing does not know")
                 if current is not _OURS[name]:
                     _originals.setdefault(name, current)
-        return _swap({id(fla_fn): _OURS[name] for name, fla_fn in _originals.items()})
+        return _route_modules()
 
 
 def unroute_fla_kda() -> int:
-    """Undo route_fla_kda: fla's functions back wherever fastkda's were put; the number restored."""
+    """Undo route_fla_kda: fla's functions back in exactly the places routing replaced (where they
+    still hold fastkda's); the number restored."""
     with _lock:
-        if not _originals:
-            return 0
-        restored = _swap({id(_OURS[name]): fla_fn for name, fla_fn in _originals.items()})
+        restored = 0
+        for module, attr, fla_fn in reversed(_replaced):
+            if getattr(module, attr, None) is not fla_fn:
+                setattr(module, attr, fla_fn)
+                restored += 1
+        _replaced.clear()
         _originals.clear()
         return restored
 
