@@ -1,8 +1,10 @@
 """GPU tier only: chunk_kda gradients of every input (A_log and dt_bias included) at gate extremes
-and at the gates real models start from, bfloat16 and float16, safe and softplus gates. Errors are
-the plain relative RMS against float64 autograd, per tensor; the bound of each is fla-core 0.6.0's
-error on the same inputs: measured in the test where fla-core is installed, else the table below
-(measured on an H200, 2026-12-03)."""
+and at the gates real models start from, bfloat16 and float16, safe and softplus gates, by their
+plain relative RMS error against float64 autograd, per tensor. Every gradient within the dtype's
+budget; under extreme softplus gates (raw inputs of scale 20, A_log = 3), where strong decays make
+dA_log weigh each token's rounding by |y| in the hundreds, the gate gradients (g, A_log, dt_bias)
+within fla-core 0.6.0's error on the same inputs: measured in the test where fla-core is installed,
+else the table below (H200, 2026-12-03)."""
 
 import math
 
@@ -14,6 +16,8 @@ from fastkda.testing import rel_rms, reference
 
 pytestmark = pytest.mark.gpu
 NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+TOL = {torch.bfloat16: 8e-3, torch.float16: 2e-3}  # every gradient, every case
+GATE_GRADS = ("g", "A_log", "dt_bias")
 
 # (raw gate scale, A_log: a value, "fla" for log U(1, 16), None for U(-1, 1); dt_bias: "fla" for the
 # inverse softplus of dt log-uniform in [1e-3, 1e-1], else 0.1 randn; safe gate)
@@ -24,9 +28,12 @@ CASES = {
     "safe_extreme": (20.0, 3.0, None, True),
     "safe_fla_init": (1.0, "fla", "fla", True),
 }
-# fla-core 0.6.0's relative RMS errors on these inputs (H200; the largest of two seeds), the bound
-# where fla-core is not installed
-FLA_ERRORS: dict = {}
+# fla-core 0.6.0's errors of the gate gradients on softplus_extreme's inputs (the smaller of the two
+# seeds'), the bound where fla-core is not installed
+FLA_EXTREME = {
+    torch.bfloat16: {"g": 6.48e-3, "A_log": 0.407, "dt_bias": 2.13e-2},
+    torch.float16: {"g": 4.84e-3, "A_log": 0.437, "dt_bias": 2.06e-2},
+}
 
 
 def inputs(case: str, dtype, seed: int, T=256, H=2, HV=4, K=128, V=128):
@@ -85,18 +92,17 @@ def fla_errors(x, kw, cot, want):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_gate_gradients_against_fla_core(case, dtype):
-    worst: dict = {}
+def test_gate_gradients(case, dtype):
     for seed in (0, 1):
         x, kw, cot = inputs(case, dtype, seed)
         want = reference_grads(x, kw, cot)
         with use_backend("triton"):
             got = grads(chunk_kda, x, kw, cot)
         ours = {n: rel_rms(got[n], want[n]) for n in NAMES}
-        theirs = fla_errors(x, kw, cot, want) or FLA_ERRORS.get((case, str(dtype)))
-        assert theirs is not None, f"fla-core is not installed and no errors were recorded for {case}"
-        print(case, dtype, seed, " ".join(f"{n}={ours[n]:.2e}/{theirs[n]:.2e}" for n in NAMES))
-        for n in NAMES:
-            worst[n] = max(worst.get(n, 0.0), ours[n] / theirs[n])
-    bad = {n: r for n, r in worst.items() if not r <= 1.0}
-    assert not bad, f"error above fla-core's on the same inputs (ratio of errors): {bad}"
+        print(case, dtype, seed, " ".join(f"{n}={e:.2e}" for n, e in ours.items()))
+        over = {n: e for n, e in ours.items() if not e <= TOL[dtype]}
+        assert not over, f"seed {seed}: relative RMS error above {TOL[dtype]:.0e}: {over}"
+        if case == "softplus_extreme":
+            theirs = fla_errors(x, kw, cot, want) or FLA_EXTREME[dtype]
+            worse = {n: (ours[n], theirs[n]) for n in GATE_GRADS if not ours[n] <= theirs[n]}
+            assert not worse, f"seed {seed}: gate gradients less accurate than fla-core's (ours, fla-core's): {worse}"
