@@ -3,6 +3,7 @@ per-sequence runs, the short convolution against its definition and through the 
 interface, checkpoint A_log shapes."""
 
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -231,3 +232,75 @@ def test_causal_conv1d_package_matches_torch(rng, monkeypatch):
     check("y", y.float(), y_ref.float(), 1e-2)
     check("decode y", y1.float(), y1_ref.float(), 1e-2)
     assert torch.equal(c, c_ref) and torch.equal(c1, c1_ref)
+
+
+@pytest.mark.parametrize("over,exc,match", [
+    (dict(num_heads=0), ValueError, r"`num_heads` must be a positive int, got 0"),
+    (dict(head_dim=0), ValueError, r"`head_dim` must be an int in \[1, 256\], got 0"),
+    (dict(head_dim=257), ValueError, r"`head_dim` must be an int in \[1, 256\], got 257"),
+    (dict(hidden_size=0), ValueError, r"`hidden_size` must be a positive int, got 0"),
+    (dict(num_v_heads=0), ValueError, r"`num_v_heads` must be None or a positive int, got 0"),
+    (dict(num_v_heads=3), ValueError, r"`num_v_heads`=3 must be a multiple of `num_heads`=2"),
+    (dict(head_v_dim=0), ValueError, r"`head_v_dim` must be None or a positive int, got 0"),
+    (dict(conv_size=-1), ValueError, r"`conv_size` must be a non-negative int \(0: no convolution\), got -1"),
+    (dict(conv_size=2.0), ValueError, r"`conv_size` must be a non-negative int .*got 2\.0"),
+    (dict(chunk_size=16), ValueError, r"`chunk_size` must be either 32 or 64, got 16"),
+    (dict(lower_bound=-6.0), ValueError, r"`lower_bound` must be in \[-5, 0\) \(the safe gate\), got -6\.0"),
+    (dict(lower_bound="x"), TypeError, r"`lower_bound` must be a real number or None, got str"),
+    (dict(norm_eps=0.0), ValueError, r"`norm_eps` must be a positive finite number, got 0\.0"),
+    (dict(mode="x"), ValueError, r"`mode` must be"),
+])
+def test_constructor_rules(over, exc, match):
+    with pytest.raises(exc, match=match):
+        KimiDeltaAttention(**{**DIMS, **over})
+
+
+def test_constructor_numpy_numbers():
+    m = KimiDeltaAttention(**{**DIMS, "lower_bound": np.float32(-5.0), "chunk_size": np.int64(32)})
+    assert m.lower_bound == -5.0 and type(m.lower_bound) is float and m.chunk_size == 32 and type(m.chunk_size) is int
+
+
+@pytest.mark.parametrize("conv", [4, 0])
+def test_cache_of_another_batch_size(conv, rng):
+    """A KDACache holds its sequences' states: a forward with another number of sequences is a
+    ValueError naming the cache, raised before anything is read or written."""
+    m = layer(conv_size=conv).eval()
+    with torch.no_grad():
+        cache = KDACache()
+        m(torch.randn(2, 5, 64, generator=rng).to(DEVICE), cache=cache)
+        before = {k: (v.clone(), tuple(None if c is None else c.clone() for c in cache.conv_states[k]))
+                  for k, v in cache.recurrent_states.items()}
+        with pytest.raises(ValueError, match=r"`cache` holds 2 sequences for layer 0, but the input has 3"):
+            m(torch.randn(3, 1, 64, generator=rng).to(DEVICE), cache=cache)
+        cu = torch.tensor([0, 2, 3, 4], device=DEVICE)
+        with pytest.raises(ValueError, match=r"`cache` holds 2 sequences for layer 0, but the input has 3"):
+            m(torch.randn(1, 4, 64, generator=rng).to(DEVICE), cache=cache, cu_seqlens=cu)
+    for k, (s, convs) in before.items():
+        assert torch.equal(cache.recurrent_states[k], s)
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(cache.conv_states[k], convs))
+
+
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+def test_varlen_with_host_boundaries(mode, rng, monkeypatch):
+    """Given cu_seqlens_cpu, the layer and chunk_kda read no boundaries back from cu_seqlens (no
+    host synchronisation per layer): the same outputs and caches as without it."""
+    from fastkda import options
+
+    m = layer(conv_size=4, mode=mode).eval()
+    lens = [5, 1, 40, 17]
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    cu = cu_cpu.to(DEVICE, torch.int32)
+    x = torch.randn(1, sum(lens), 64, generator=rng).to(DEVICE)
+    with torch.no_grad():
+        want_cache = KDACache()
+        want = m(x, cache=want_cache, cu_seqlens=cu)
+        if mode == "chunk":  # decoding reads a CPU cu_seqlens itself (no synchronisation there)
+            monkeypatch.setattr(options, "host_seqlens", lambda t: pytest.fail("cu_seqlens read back"))
+        cache = KDACache()
+        got = m(x, cache=cache, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    check("varlen", got, want, 0)
+    for k in want_cache.recurrent_states:
+        assert torch.equal(cache.recurrent_states[k], want_cache.recurrent_states[k])
+        assert all(torch.equal(a, b) for a, b in zip(cache.conv_states[k], want_cache.conv_states[k]))
+    with pytest.raises(ValueError, match=r"`cu_seqlens_cpu` was given without `cu_seqlens`"):
+        m(x, cu_seqlens_cpu=cu_cpu)

@@ -1,9 +1,14 @@
-"""The host copy of cu_seqlens: read back once per tensor and reused while the tensor is unchanged
-(options.host_seqlens); every change PyTorch can see is read again and checked again."""
+"""The values of cu_seqlens: read on every call (options.host_seqlens), or taken from
+cu_seqlens_cpu; what is derived from them (chunk tables) is kept by the values themselves
+(options.seqlens_derived), so a tensor whose values change, however they were written, gets its
+new values' results."""
+
+import sys
+import threading
 
 import pytest
 import torch
-from conftest import BACKENDS, DEVICE, GPU
+from conftest import BACKENDS, BACKWARD_BACKENDS, DEVICE, GPU
 from helpers import check, grow, tol_for
 
 from fastkda import chunk_kda, options, use_backend
@@ -12,56 +17,75 @@ from fastkda.testing import Case, make_inputs, reference
 
 @pytest.fixture(autouse=True)
 def fresh_cache(monkeypatch):
-    monkeypatch.setattr(options, "_HOST_COPIES", type(options._HOST_COPIES)())
+    monkeypatch.setattr(options, "_DERIVED", type(options._DERIVED)())
 
 
-def test_host_copy_reused_until_the_tensor_changes():
+def test_host_copy_read_every_call():
     cu = torch.tensor([0, 3, 7, 12], dtype=torch.int32, device=DEVICE)
     a = options.host_seqlens(cu)
     assert a.dtype == torch.int64 and a.device.type == "cpu" and a.tolist() == [0, 3, 7, 12]
-    assert options.host_seqlens(cu) is a  # unchanged: the same copy
-    cu[2] = 8  # in place: a new version
     b = options.host_seqlens(cu)
-    assert b is not a and b.tolist() == [0, 3, 8, 12] and a.tolist() == [0, 3, 7, 12]
-    cu[1:3].copy_(torch.tensor([1, 2], dtype=torch.int32))  # through a view (shared version counter)
-    assert options.host_seqlens(cu).tolist() == [0, 1, 2, 12]
-    twin = cu.clone()  # equal values, another tensor
-    assert options.host_seqlens(twin) is not options.host_seqlens(cu)
-    cu.resize_(3)  # the same object, another shape
-    assert options.host_seqlens(cu).tolist() == [0, 1, 2]
+    assert b is not a and b.tolist() == a.tolist()
+    cu.data[2] = 8  # behind the version counter's back
+    assert options.host_seqlens(cu).tolist() == [0, 3, 8, 12] and a.tolist() == [0, 3, 7, 12]
+    with torch.inference_mode():
+        inf = torch.tensor([0, 2, 5], device=DEVICE)
+    assert options.host_seqlens(inf).tolist() == [0, 2, 5]
 
 
-def test_values_checked_and_tables_built_once_per_copy(monkeypatch):
-    """What a varlen call derives from the boundaries (the value check, the chunk tables) is kept
-    with the host copy: done again for a changed tensor or another T, never kept for a copy the
-    caller owns (cu_seqlens_cpu), nor for values that failed the check."""
+def test_host_copy_never_aliases_a_cpu_tensor():
+    cu = torch.tensor([0, 4, 9])
+    assert options.host_seqlens(cu).data_ptr() != cu.data_ptr()
+
+
+def test_derived_kept_by_values():
+    """seqlens_derived keeps make()'s result under the values and the key: equal values (of any
+    tensor) share it, other values or another key make a new one, a failure is not kept, and the
+    number of entries is bounded."""
+    made = []
+
+    def make(tag):
+        return lambda: made.append(tag) or object()
+
+    a = options.seqlens_derived(torch.tensor([0, 3, 7]), ("k", 1), make("a"))
+    assert options.seqlens_derived(torch.tensor([0, 3, 7], dtype=torch.int32), ("k", 1), make("b")) is a
+    assert options.seqlens_derived(torch.tensor([0, 3, 8]), ("k", 1), make("c")) is not a
+    assert options.seqlens_derived(torch.tensor([0, 3, 7]), ("k", 2), make("d")) is not a
+    assert made == ["a", "c", "d"]
+
+    def fail():
+        raise ValueError("bad")
+
+    with pytest.raises(ValueError, match="bad"):
+        options.seqlens_derived(torch.tensor([0, 1]), ("k",), fail)
+    assert options.seqlens_derived(torch.tensor([0, 1]), ("k",), lambda: 5) == 5
+    for n in range(2 * options.DERIVED_ENTRIES):
+        options.seqlens_derived(torch.tensor([0, n]), ("k",), make(n))
+    assert len(options._DERIVED) == options.DERIVED_ENTRIES
+
+
+def test_values_checked_every_call(monkeypatch):
+    """The value check runs on every call, on the values read then (or on cu_seqlens_cpu's)."""
     calls = []
-    check = options.check_seqlens
-    monkeypatch.setattr(options, "check_seqlens", lambda vals, T, **kw: calls.append(T) or check(vals, T, **kw))
+    real = options.check_seqlens
+    monkeypatch.setattr(options, "check_seqlens", lambda vals, T, **kw: calls.append(list(vals)) or real(vals, T, **kw))
     ref = torch.zeros(1, device=DEVICE)
     cu = torch.tensor([0, 3, 7, 12], device=DEVICE)
-    for _ in range(3):
-        n, host = options._cu_seqlens(cu, None, 1, 12, ref, True)
-    assert n == 3 and calls == [12]
-    made = []
-    tables = [options.seqlens_derived(host, ("chunks", 4), lambda: made.append(1) or object()) for _ in range(2)]
-    assert tables[0] is tables[1] and made == [1]
-    with pytest.raises(ValueError, match="end at the total length"):
-        options._cu_seqlens(cu, None, 1, 13, ref, True)  # another T: checked (and refused) again
-    with pytest.raises(ValueError, match="end at the total length"):
-        options._cu_seqlens(cu, None, 1, 13, ref, True)  # a failure is not kept
-    assert calls == [12, 13, 13]
-    cu[3] = 13  # in place: a new copy, checked again
-    options._cu_seqlens(cu, None, 1, 13, ref, True)
-    assert calls == [12, 13, 13, 13]
-    mine = torch.tensor([0, 3, 7, 13])
     for _ in range(2):
-        options._cu_seqlens(cu, mine, 1, 13, ref, True)
-    assert calls == [12, 13, 13, 13, 13, 13]  # the caller's copy: every call
+        n, host = options._cu_seqlens(cu, None, 1, 12, ref, True)
+    assert n == 3 and host.tolist() == [0, 3, 7, 12] and calls == [[0, 3, 7, 12]] * 2
+    cu.data[3] = 13
+    with pytest.raises(ValueError, match="end at the total length T=12, got 13"):
+        options._cu_seqlens(cu, None, 1, 12, ref, True)
+    mine = torch.tensor([0, 3, 7, 13])
+    n, host = options._cu_seqlens(cu, mine, 1, 13, ref, True)
+    assert host.tolist() == [0, 3, 7, 13] and host is not mine  # a copy: the caller may write to its own
+    assert options._cu_seqlens(cu, mine, 1, 13, ref, False) == (3, None)  # never read
+    assert len(calls) == 4
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
-def test_chunk_tables_follow_the_copy():
+def test_chunk_tables_follow_the_values():
     from fastkda.backends.triton.common import chunk_tables
 
     cu = torch.tensor([0, 5, 5, 70], device=DEVICE)
@@ -70,38 +94,15 @@ def test_chunk_tables_follow_the_copy():
     assert a[2] == 3 and a[0].tolist() == [[0, 0], [2, 0], [2, 1]] and a[1].tolist() == [0, 1, 1, 3]
     b = chunk_tables(options.host_seqlens(cu), 32, DEVICE)
     assert b[2] == 4 and b[1].tolist() == [0, 1, 1, 4]
-    cu[1] = 2  # in place
+    cu.data[1] = 2  # behind the version counter's back
     c = chunk_tables(options.host_seqlens(cu), 64, DEVICE)
     assert c is not a and c[0].tolist() == [[0, 0], [1, 0], [2, 0], [2, 1]] and c[1].tolist() == [0, 1, 2, 4]
-
-
-def test_host_copy_never_aliases_a_cpu_tensor():
-    cu = torch.tensor([0, 4, 9])
-    host = options.host_seqlens(cu)
-    assert host.data_ptr() != cu.data_ptr()
-
-
-def test_host_copy_bounded_and_switchable(monkeypatch):
-    tensors = [torch.tensor([0, n], device=DEVICE) for n in range(1, 12)]
-    for t in tensors:
-        options.host_seqlens(t)
-    assert len(options._HOST_COPIES) == options.HOST_COPIES
-    monkeypatch.setattr(options, "HOST_COPIES", 0)
-    cu = tensors[-1]
-    assert options.host_seqlens(cu) is not options.host_seqlens(cu)
-
-
-def test_inference_tensors_read_every_call():
-    with torch.inference_mode():
-        cu = torch.tensor([0, 2, 5], device=DEVICE)
-    a, b = options.host_seqlens(cu), options.host_seqlens(cu)
-    assert a is not b and a.tolist() == b.tolist() == [0, 2, 5]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_boundaries_changed_in_place_between_calls(backend, rng):
     """The same cu_seqlens tensor, refilled in place between calls: every call follows (and checks)
-    its own boundaries, as if it were read back each time."""
+    its own boundaries."""
     case = grow(Case(seqlens=(30, 20, 50), gate="softplus", initial_state=False, final_state=True), GPU)
     x = make_inputs(case, device=DEVICE, generator=rng)
     T = x["q"].shape[1]
@@ -118,17 +119,106 @@ def test_boundaries_changed_in_place_between_calls(backend, rng):
         chunk_kda(**{**x, "cu_seqlens": cu})
 
 
+@pytest.mark.parametrize("how", ["data", "numpy"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_boundaries_written_behind_pytorchs_back_are_read(backend, how, rng):
+    """Values written into cu_seqlens without advancing its version counter (through ``.data`` or
+    a NumPy view, as a CUDA graph replay or a custom kernel does) are the ones the next call uses."""
+    if how == "numpy" and DEVICE != "cpu":
+        pytest.skip("a NumPy view needs a CPU tensor")
+    case = grow(Case(seqlens=(30, 20, 50), gate="softplus", initial_state=False, final_state=True), GPU)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    T = x["q"].shape[1]
+    cu = torch.tensor([0, 3 * T // 10, T // 2, T], device=DEVICE)
+    new = torch.tensor([0, 7 * T // 10, 8 * T // 10, T])  # other chunks: the first sequence spans two
+    with use_backend(backend):
+        chunk_kda(**{**x, "cu_seqlens": cu})
+        if how == "data":
+            cu.data[1:3] = new[1:3].to(DEVICE)
+        else:
+            cu.numpy()[1:3] = new.numpy()[1:3]
+        o, s = chunk_kda(**{**x, "cu_seqlens": cu})
+    o_r, s_r = reference({**x, "cu_seqlens": new.to(DEVICE)})
+    check("o", o, o_r, tol_for(case.dtype, backend))
+    check("final_state", s, s_r, tol_for(case.dtype, backend))
+
+
+def test_cpu_cu_seqlens_must_agree_with_cu_seqlens_cpu():
+    """A CPU cu_seqlens is compared with the cu_seqlens_cpu given beside it (no copy is saved there)."""
+    q = torch.randn(1, 12, 2, 8)
+    x = dict(q=q, k=torch.randn_like(q), v=torch.randn(1, 12, 2, 4), g=-torch.rand(1, 12, 2, 8),
+             beta=torch.rand(1, 12, 2))
+    with pytest.raises(ValueError, match=r"`cu_seqlens` and `cu_seqlens_cpu` must hold the same values, "
+                                         r"got cu_seqlens\[1\]=3 and cu_seqlens_cpu\[1\]=5"):
+        chunk_kda(**x, cu_seqlens=torch.tensor([0, 3, 12]), cu_seqlens_cpu=torch.tensor([0, 5, 12]))
+    o, _ = chunk_kda(**x, cu_seqlens=torch.tensor([0, 3, 12], dtype=torch.int32), cu_seqlens_cpu=torch.tensor([0, 3, 12]))
+    assert o.shape == (1, 12, 2, 4)
+
+
+@pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
+def test_cu_seqlens_cpu_written_after_the_forward(backend, rng):
+    """The call keeps its own copy of cu_seqlens_cpu: the caller refilling its buffer after the
+    forward does not change the backward."""
+    case = grow(Case(seqlens=(30, 20, 50), gate="softplus", initial_state=False, final_state=True), GPU)
+    x = make_inputs(case, device=DEVICE, requires_grad=True, generator=rng)
+    leaves = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    host = x["cu_seqlens"].cpu().long()
+    with use_backend(backend):
+        o, s = chunk_kda(**x)
+        do, ds = torch.randn_like(o), torch.randn_like(s)
+        want = torch.autograd.grad((o, s), leaves, (do, ds))
+        o, s = chunk_kda(**x, cu_seqlens_cpu=host)
+        host.copy_(torch.tensor([0, 0, 0, int(host[-1])]))  # tables of these values would leave out two sequences
+        got = torch.autograd.grad((o, s), leaves, (do, ds))
+    for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert torch.equal(a, b), n
+
+
+def test_threads_share_the_derived_cache():
+    """Many threads checking and laying out their own boundaries at once: every call gets its own
+    values' results (no torn or stale entry, no error from the shared cache)."""
+    ref = torch.zeros(1)
+    errors, done = [], []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+
+    def work(i):
+        try:
+            for r in range(1000):
+                n = 1 + (i * 7 + r) % 40
+                cu = torch.tensor([0, n, n + i + 1])
+                N, host = options._cu_seqlens(cu, None, 1, n + i + 1, ref, True)
+                got = options.seqlens_derived(host, ("lens",), lambda: tuple((host[1:] - host[:-1]).tolist()))
+                assert N == 2 and got == (n, i + 1), (got, n, i)
+            done.append(i)
+        except Exception as e:  # reported below
+            errors.append(repr(e))
+
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:3]
+    assert sorted(done) == list(range(8))
+
+
 @pytest.mark.skipif(not GPU or "triton" not in BACKENDS, reason="GPU tier")
-def test_repeated_varlen_call_does_not_synchronize(rng):
-    """The second call with the same cu_seqlens reads nothing back: no device synchronisation."""
+def test_varlen_call_with_host_boundaries_does_not_synchronize(rng):
+    """Given cu_seqlens_cpu, a varlen call reads nothing back: no device synchronisation (the
+    chunk tables of these values made by the first call)."""
     case = grow(Case(seqlens=(30, 20, 50), gate="safe", l2norm=True, dtype=torch.bfloat16, initial_state=False), True)
     x = make_inputs(case, device="cuda", generator=rng)
+    host = x["cu_seqlens"].cpu()
     with use_backend("triton"), torch.no_grad():
-        chunk_kda(**x)
+        chunk_kda(**x, cu_seqlens_cpu=host)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            o, _ = chunk_kda(**x)
+            o, _ = chunk_kda(**x, cu_seqlens_cpu=host)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     check("o", o, reference(x)[0], tol_for(case.dtype, "triton"))

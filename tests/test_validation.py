@@ -1,10 +1,14 @@
 """One test per validation rule: a ValueError/TypeError naming the argument and the value,
 raised before any work (state pools untouched)."""
 
+import numpy as np
 import pytest
 import torch
+from conftest import BACKENDS, DEVICE, GPU
+from helpers import check, grow, tol_for
 
-from fastkda import chunk_kda, fused_kda_gate, fused_recurrent_kda, kda_gate_chunk_cumsum
+from fastkda import chunk_kda, fused_kda_gate, fused_recurrent_kda, kda_gate_chunk_cumsum, use_backend
+from fastkda.testing import Case, make_inputs, reference
 
 B, T, H, HV, K, V = 1, 20, 2, 4, 16, 8
 
@@ -24,13 +28,13 @@ def h0(n=B, dtype=torch.float32, vfirst=False):
 
 CHUNK_RULES = [
     ("A_log missing", dict(use_gate_in_kernel=True), ValueError, r"`A_log` must be given.*A_log=None"),
-    ("safe_gate without lower_bound", dict(safe_gate=True), ValueError, r"`safe_gate=True` needs `lower_bound`.*None"),
+    ("safe_gate in-kernel without lower_bound", dict(safe_gate=True, use_gate_in_kernel=True, A_log=torch.randn(HV)), ValueError, r"`lower_bound` must be given, in \[-5, 0\), when `safe_gate=True` and `use_gate_in_kernel=True`, got lower_bound=None"),
     ("safe_gate lower_bound < -5", dict(safe_gate=True, lower_bound=-5.5), ValueError, r"lower_bound=-5\.5"),
     ("safe_gate lower_bound 0", dict(safe_gate=True, lower_bound=0.0), ValueError, r"finite negative.*0\.0"),
     ("lower_bound positive", dict(lower_bound=1.0), ValueError, r"`lower_bound` must be a finite negative number, got 1\.0"),
-    ("lower_bound type", dict(lower_bound="x"), TypeError, r"`lower_bound` must be a float.*str"),
-    ("chunk_size 16", dict(chunk_size=16), ValueError, r"`chunk_size` must be 32 or 64, got 16"),
-    ("chunk_size 128", dict(chunk_size=128), ValueError, r"`chunk_size` must be 32 or 64, got 128"),
+    ("lower_bound type", dict(lower_bound="x"), TypeError, r"`lower_bound` must be a real number or None, got str"),
+    ("chunk_size 16", dict(chunk_size=16), ValueError, r"`chunk_size` must be either 32 or 64, got 16"),
+    ("chunk_size 128", dict(chunk_size=128), ValueError, r"`chunk_size` must be either 32 or 64, got 128"),
     ("allow_neg_eigval without sigmoid", dict(allow_neg_eigval=True), ValueError, r"`allow_neg_eigval=True` needs `use_beta_sigmoid_in_kernel=True`"),
     ("K > 256", dict(q=torch.randn(B, T, H, 257), k=torch.randn(B, T, H, 257), g=-torch.rand(B, T, HV, 257)), ValueError, r"K=257"),
     ("HV % H", dict(q=torch.randn(B, T, 3, K), k=torch.randn(B, T, 3, K)), ValueError, r"HV=4.*H=3"),
@@ -44,7 +48,7 @@ CHUNK_RULES = [
     ("A_log 2-D", dict(use_gate_in_kernel=True, A_log=torch.randn(2, 2)), ValueError, r"`A_log` must have shape \[HV\]=\[4\], got shape \[2, 2\]"),
     ("dt_bias shape", dict(use_gate_in_kernel=True, A_log=torch.randn(HV), dt_bias=torch.randn(HV)), ValueError, r"`dt_bias` must have shape \[HV\*K\]=\[64\] \(or \[HV, K\]\), got shape \[4\]"),
     ("dt_bias transposed", dict(use_gate_in_kernel=True, A_log=torch.randn(HV), dt_bias=torch.randn(K, HV)), ValueError, r"`dt_bias` must have shape .*got shape \[16, 4\]"),
-    ("chunk_size float", dict(chunk_size=64.0), ValueError, r"`chunk_size` must be 32 or 64, got 64\.0"),
+    ("chunk_size float", dict(chunk_size=64.0), ValueError, r"`chunk_size` must be either 32 or 64, got 64\.0"),
     ("initial_state shape", dict(initial_state=torch.randn(B, HV, V, K)), ValueError, r"`initial_state` must have shape \[N, HV, K, V\]=\[1, 4, 16, 8\].*got \[1, 4, 8, 16\]"),
     ("initial_state state_v_first shape", dict(initial_state=h0(), state_v_first=True), ValueError, r"\[N, HV, V, K\]=\[1, 4, 8, 16\]"),
     ("initial_state count", dict(initial_state=h0(2)), ValueError, r"\[N, HV, K, V\]=\[1, 4, 16, 8\].*got \[2, 4, 16, 8\]"),
@@ -63,7 +67,7 @@ CHUNK_RULES = [
     ("integer g", dict(g=torch.zeros(B, T, HV, K, dtype=torch.int32)), ValueError, r"`g` must be bfloat16, float16, float32 or float64, got torch.int32"),
     ("device mismatch", dict(g=-torch.rand(B, T, HV, K, device="meta")), ValueError, r"`g` is on meta but `q` is on cpu"),
     ("flag type", dict(output_final_state="yes"), TypeError, r"`output_final_state` must be a bool, got str"),
-    ("scale type", dict(scale="1"), TypeError, r"`scale` must be a float or None, got str"),
+    ("scale type", dict(scale="1"), TypeError, r"`scale` must be a real number or None, got str"),
     ("scale nan", dict(scale=float("nan")), ValueError, r"`scale` must be finite, got nan"),
 ]
 
@@ -235,3 +239,76 @@ def test_fla_signature(fn, names):
     positional, keywords = names[0].split(), names[1].split()
     assert params[:len(positional)] == positional
     assert set(keywords) <= set(params)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_safe_gate_pregated_without_lower_bound(backend, rng):
+    """safe_gate=True with a pre-gated g already in [-5, 0) and no lower_bound (fla-core's varlen
+    tests): the caller vouches for the range; every backend runs it, forward and backward, with the
+    results of the same call with lower_bound=-5."""
+    case = grow(Case(seqlens=(40, 1, 70), gate="pregated_safe", dtype=torch.float16 if GPU else torch.float32), GPU)
+    x = make_inputs(case, device=DEVICE, requires_grad=True, generator=rng)
+    assert x.pop("lower_bound") == -5.0 and x["safe_gate"] is True
+    leaves = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    with use_backend(backend):
+        o, s = chunk_kda(**x)
+        o_lb, s_lb = chunk_kda(**x, lower_bound=-5.0)
+    assert torch.equal(o, o_lb) and torch.equal(s, s_lb)
+    o_r, s_r = reference(x)
+    tol = tol_for(case.dtype, backend)
+    check("o", o, o_r, tol)
+    check("final_state", s, s_r, tol)
+    do, ds = torch.randn_like(o), torch.randn_like(s)
+    got = torch.autograd.grad((o, s), leaves, (do, ds))
+    want = torch.autograd.grad((o_lb, s_lb), leaves, (do, ds))
+    for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.5), np.float64(0.5), np.int64(1), torch.tensor(0.5), torch.tensor([0.5])])
+def test_real_scalars_as_scale_and_lower_bound(scale):
+    """NumPy's real scalars and one-element tensors are numbers: the same results as the float."""
+    x = base(use_gate_in_kernel=True, A_log=torch.randn(HV), g=torch.randn(B, T, HV, K))
+    want = chunk_kda(**x, scale=float(scale), lower_bound=-2.0)[0]
+    assert torch.equal(chunk_kda(**x, scale=scale, lower_bound=-2.0)[0], want)
+    assert torch.equal(chunk_kda(**x, scale=float(scale), lower_bound=np.float32(-2.0))[0], want)
+    assert torch.equal(fused_recurrent_kda(**x, scale=scale, lower_bound=np.float32(-2.0))[0],
+                       fused_recurrent_kda(**x, scale=float(scale), lower_bound=-2.0)[0])
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (np.bool_(True), TypeError, r"`scale` must be a real number or None, got bool"),
+    (True, TypeError, r"`scale` must be a real number or None, got bool"),
+    (1j, TypeError, r"`scale` must be a real number or None, got complex"),
+    (torch.ones(2), TypeError, r"`scale` must be a real number or a one-element real tensor.*shape=\[2\]"),
+    (torch.tensor(0.5, device="meta"), TypeError, r"`scale` must be a real number or a one-element real tensor.*meta"),
+    (np.float32("inf"), ValueError, r"`scale` must be finite, got inf"),
+])
+def test_bad_scalars(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        chunk_kda(**base(), scale=bad)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_meta_tensors_propagate_shapes(varlen):
+    """On meta tensors chunk_kda validates and returns outputs of the right shapes and dtypes
+    (what torch.compile's fake implementation gives), reading no values."""
+    n = 3 if varlen else 2
+    q = torch.empty(1 if varlen else n, T, H, K, device="meta", dtype=torch.bfloat16)
+    x = dict(q=q, k=torch.empty_like(q), v=torch.empty(*q.shape[:2], HV, V, device="meta", dtype=torch.bfloat16),
+             g=torch.empty(*q.shape[:2], HV, K, device="meta"), beta=torch.empty(*q.shape[:2], HV, device="meta"))
+    if varlen:
+        x["cu_seqlens"] = torch.empty(n + 1, dtype=torch.int32, device="meta")
+    o, s = chunk_kda(**x, initial_state=torch.empty(n, HV, K, V, device="meta"), output_final_state=True,
+                     use_gate_in_kernel=True, A_log=torch.empty(HV, device="meta"), safe_gate=True, lower_bound=-5.0)
+    assert o.device.type == "meta" and o.shape == x["v"].shape and o.dtype == torch.bfloat16
+    assert s.device.type == "meta" and s.shape == (n, HV, K, V) and s.dtype == torch.float32
+    o, s = chunk_kda(**x, state_v_first=True)
+    assert o.shape == x["v"].shape and s is None
+    leaves = [t.requires_grad_() for n, t in x.items() if n != "cu_seqlens"]
+    o, s = chunk_kda(**x, output_final_state=True, state_v_first=True)
+    assert s.shape == (n, HV, V, K)
+    grads = torch.autograd.grad((o, s), leaves, (torch.empty_like(o), torch.empty_like(s)))
+    assert [d.shape for d in grads] == [t.shape for t in leaves] and all(d.device.type == "meta" for d in grads)
+    with pytest.raises(ValueError, match=r"`g` must have shape"):
+        chunk_kda(**{**x, "g": x["g"][..., :-1]})

@@ -82,7 +82,8 @@ def chunk_kda(
         q, k: ``[B, T, H, K]``. v: ``[B, T, HV, V]`` with ``HV % H == 0`` (GVA when ``HV > H``).
         g: ``[B, T, HV, K]``: the log-space decay, or the raw gate input with ``use_gate_in_kernel``.
         beta: ``[B, T, HV]``: post-sigmoid beta, or logits with ``use_beta_sigmoid_in_kernel``.
-        scale: multiplies q; defaults to ``K ** -0.5``.
+        scale: multiplies q; defaults to ``K ** -0.5``. Any real number (NumPy's scalars, a
+            one-element tensor).
         initial_state: ``[N, HV, K, V]`` float32 (``[N, HV, V, K]`` with ``state_v_first``).
         output_final_state: also return the last state of every sequence (float32).
         use_qk_l2norm_in_kernel: ``q <- q / sqrt(|q|^2 + 1e-6)``, k likewise.
@@ -90,7 +91,8 @@ def chunk_kda(
             ``g <- lower_bound * sigmoid(exp(A_log) (g + dt_bias))`` (``A_log`` optional then).
         use_beta_sigmoid_in_kernel / allow_neg_eigval: ``beta <- sigmoid(beta)`` (times 2).
         safe_gate: promise that every gate lies in ``[lower_bound, 0)`` with ``-5 <= lower_bound < 0``;
-            enables the fast intra-chunk path.
+            enables the fast intra-chunk path. With a pre-gated ``g`` and no ``lower_bound``: the
+            promise that ``g`` lies in ``[-5, 0]`` (as fla-core accepts it).
         disable_recompute: keep every forward intermediate for the backward instead of recomputing
             the cheap ones (w, u, q e^G, k e^(G_last - G), the states); the Triton backend's
             autograd keeps the intra-chunk matrices either way (docs/api.md).
@@ -98,8 +100,11 @@ def chunk_kda(
             ``[B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``; ``V, K`` last with
             ``state_v_first``); inference mode only.
         state_v_first: states are ``[V, K]`` instead of ``[K, V]``.
-        cu_seqlens: ``[N+1]`` int32/int64 sequence boundaries of a flattened batch (B = 1);
-            cu_seqlens_cpu: its host copy, saves a device-to-host copy (must hold the same values).
+        cu_seqlens: ``[N+1]`` int32/int64 sequence boundaries of a flattened batch (B = 1).
+            The values are read on every call (one small device-to-host copy for a device tensor).
+        cu_seqlens_cpu: the same values on the host: nothing is read back. It vouches for them: a
+            CPU ``cu_seqlens`` that differs is a ``ValueError``; a device one is not compared (the
+            result is then undefined, the kernels' indices stay in bounds).
         cp_context: a :class:`fastkda.distributed.CPContext`: q, k, v, g, beta are this rank's shard
             of one global (varlen) batch; incoming states come from the ranks before it.
         use_graph: with ``cu_seqlens``, never read the boundaries back to the host, so that a CUDA
@@ -115,11 +120,13 @@ def chunk_kda(
 
     Returns:
         ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states``.
-        ``o`` has the dtype of ``v``; ``final_state`` is None unless asked for.
+        ``o`` has the dtype of ``v``; ``final_state`` is None unless asked for. On meta tensors:
+        outputs of the right shapes, nothing computed (not with ``return_intermediate_states``).
     """
     state_v_first = _state_layout(state_v_first, transpose_state_layout)
     q, k, v, ctx = _autocast_qkv(q, k, v)
     compiling = torch.compiler.is_compiling()
+    meta = isinstance(q, torch.Tensor) and q.device.type == "meta"  # shapes only: no values are read
     if compiling and return_intermediate_states:  # before the options read the inference mode, which tracing cannot
         raise NotImplementedError("`return_intermediate_states=True` is not supported under torch.compile")
     if compiling and use_graph is True and cu_seqlens is not None:
@@ -132,8 +139,10 @@ def chunk_kda(
         return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, A_log=A_log,
         dt_bias=dt_bias, chunk_size=chunk_size, use_graph=use_graph, max_num_seqs=max_num_seqs,
-        check_values=not compiling,
+        check_values=not (compiling or meta),
     )
+    if meta and return_intermediate_states:
+        raise NotImplementedError("`return_intermediate_states=True` is not supported on meta tensors")
     if cp_context is not None:
         from .distributed.cp import chunk_kda_cp
 
@@ -143,11 +152,11 @@ def chunk_kda(
                   dt_bias=dt_bias, chunk_size=chunk_size)
         with ctx:
             return chunk_kda_cp(chunk_kda, q, k, v, g, beta, kw, cp_context), None
-    if compiling:  # an opaque custom op (fastkda.library) with fake shapes and autograd
+    if compiling or meta:  # an opaque custom op (fastkda.library) with fake shapes and autograd
         o, final = torch.ops.fastkda.chunk_kda(
             q, k, v, g, beta, opts.scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, opts.lower_bound,
-            state_v_first, cu_seqlens, inputs.A_log, inputs.dt_bias, chunk_size,
+            state_v_first, cu_seqlens, inputs.A_log, inputs.dt_bias, opts.chunk_size,
         )
         return o, (final if output_final_state else None)
     with ctx:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import enum
 import math
-import weakref
+import numbers
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -145,26 +146,41 @@ def _shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> 
         raise ValueError(f"`{name}` must have shape {what}={list(expected)}, got {list(x.shape)}")
 
 
+def real_number(name: str, x: Any) -> float:
+    """A real scalar as a float: int, float, NumPy's real scalars, a one-element real tensor (read
+    with ``.item()``: one synchronisation for a device tensor). Not bool."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1 or x.dtype == torch.bool or x.is_complex() or x.device.type == "meta":
+            raise TypeError(f"`{name}` must be a real number or a one-element real tensor with a value, got {_fmt(x)}")
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"`{name}` must be a real number or None, got {type(x).__name__}: {x!r:.80}")
+    return float(x)
+
+
 def _scale(scale: Any, K: int) -> float:
     if scale is None:
         return K**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"`scale` must be a float or None, got {type(scale).__name__}: {scale!r:.80}")
+    scale = real_number("scale", scale)
     if not math.isfinite(scale):
         raise ValueError(f"`scale` must be finite, got {scale}")
-    return float(scale)
+    return scale
 
 
 def _lower_bound(lower_bound: Any) -> float | None:
     if lower_bound is None:
         return None
-    if isinstance(lower_bound, torch.Tensor) and lower_bound.numel() == 1:
-        lower_bound = lower_bound.item()
-    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-        raise TypeError(f"`lower_bound` must be a float or None, got {type(lower_bound).__name__}: {lower_bound!r:.80}")
+    lower_bound = real_number("lower_bound", lower_bound)
     if not (math.isfinite(lower_bound) and lower_bound < 0):
         raise ValueError(f"`lower_bound` must be a finite negative number, got {lower_bound}")
-    return float(lower_bound)
+    return lower_bound
+
+
+def chunk_size_of(chunk_size: Any) -> int:
+    """``chunk_size`` of the chunked operator: 32 or 64 (an int, NumPy's included)."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or int(chunk_size) not in (32, 64):
+        raise ValueError(f"`chunk_size` must be either 32 or 64, got {chunk_size!r}")
+    return int(chunk_size)
 
 
 def _gate_params(
@@ -189,55 +205,44 @@ def _gate_params(
     return GateMode.SOFTPLUS if lower_bound is None else GateMode.LOWER_BOUND
 
 
-# Host copies of recently seen cu_seqlens: {id: (weak reference, version, layout, int64 host copy,
-# {key: what was derived from the copy's values})}
-_HOST_COPIES: OrderedDict = OrderedDict()
-HOST_COPIES = 8  # tensors remembered (0: read the values back on every call)
-
-
 def host_seqlens(cu: torch.Tensor) -> torch.Tensor:
-    """The values of ``cu`` (cu_seqlens) as an int64 CPU tensor (a copy). A device tensor is read
-    back once and the copy reused (a CPU tensor's alike) while the same tensor object comes back
-    unchanged: same version counter (which every in-place PyTorch operation advances), storage,
-    shape and strides. So the layers of a model that share one cu_seqlens wait for the device once
-    per step, not once per call (a read-back drains the device's queue). A tensor written behind
-    PyTorch's back (by a custom kernel or a replayed CUDA graph) keeps its version: pass a new
-    tensor or ``cu_seqlens_cpu`` then. Inference tensors have no version counter: read every call."""
-    try:
-        version = cu._version
-    except RuntimeError:  # an inference tensor: no version counter
-        version = None
-    if version is None or HOST_COPIES <= 0:
-        return cu.detach().to("cpu", torch.int64, copy=True)
-    layout = (cu.data_ptr(), cu.storage_offset(), tuple(cu.shape), cu.stride(), cu.dtype, cu.device)
-    hit = _HOST_COPIES.get(id(cu))
-    if hit is not None and hit[0]() is cu and hit[1] == version and hit[2] == layout:
-        _HOST_COPIES.move_to_end(id(cu))
-        return hit[3]
-    host = cu.detach().to("cpu", torch.int64, copy=True)  # never an alias of a CPU cu
-    _HOST_COPIES[id(cu)] = (weakref.ref(cu), version, layout, host, {})
-    while len(_HOST_COPIES) > HOST_COPIES:
-        _HOST_COPIES.popitem(last=False)
-    return host
+    """The values of ``cu`` (cu_seqlens) as an int64 CPU tensor, a copy read on every call: a device
+    tensor costs one small device-to-host copy, which waits for the work queued before it. Callers
+    that must not wait pass ``cu_seqlens_cpu``."""
+    return cu.detach().to("cpu", torch.int64, copy=True)
+
+
+# What was derived from the values of cu_seqlens (chunk tables), keyed by those values and a key:
+# a tensor whose values change gets the new values' entry. Bounded, least recently used first out.
+_DERIVED: OrderedDict = OrderedDict()
+_DERIVED_LOCK = threading.Lock()
+DERIVED_ENTRIES = 32
+_MISSING = object()
 
 
 def seqlens_derived(host: torch.Tensor, key: tuple, make: Callable[[], Any]) -> Any:
-    """``make()``, kept with ``host`` for the next call when ``host`` is a copy host_seqlens keeps
-    (nobody writes those; a new value of cu_seqlens gets a new copy): the value check and the chunk
-    tables of a varlen call then cost no pass over the sequences while the tensor stays the same.
-    Any other host tensor (``cu_seqlens_cpu``, which its owner may change): ``make()`` every call.
-    Nothing is kept when ``make`` raises."""
-    entry = next((e for e in _HOST_COPIES.values() if e[3] is host), None)
-    if entry is None:
-        return make()
-    if key not in entry[4]:
-        entry[4][key] = make()
-    return entry[4][key]
+    """``make()`` for the values of ``host`` (a CPU copy of cu_seqlens) and ``key``, kept for the
+    next call with the same values and key. Thread-safe; nothing is kept when ``make`` raises.
+    ``make`` runs outside the lock (two threads may both make an entry; the first one stays)."""
+    full = (tuple(host.tolist()), key)
+    with _DERIVED_LOCK:
+        hit = _DERIVED.get(full, _MISSING)
+        if hit is not _MISSING:
+            _DERIVED.move_to_end(full)
+            return hit
+    value = make()
+    with _DERIVED_LOCK:
+        value = _DERIVED.setdefault(full, value)
+        _DERIVED.move_to_end(full)
+        while len(_DERIVED) > DERIVED_ENTRIES:
+            _DERIVED.popitem(last=False)
+    return value
 
 
 def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch.Tensor, check_values: bool | None):
-    """Checks cu_seqlens; returns (N, host copy or None). check_values: True always reads the
-    values (a device-to-host copy), None only when they are on the CPU, False never."""
+    """Checks cu_seqlens; returns (N, host copy or None). check_values: True reads the values on
+    every call (a device-to-host copy unless ``cu_seqlens_cpu`` vouches for them), None only when
+    they are on the CPU, False never (shapes, dtypes and devices only)."""
     cu = _tensor("cu_seqlens", cu_seqlens)
     if B != 1:
         raise ValueError(f"`cu_seqlens` needs the batch flattened to 1 (inputs [1, total_T, ...]), got batch size {B}")
@@ -246,16 +251,23 @@ def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch
     if cu.dtype not in INDEX_DTYPES:
         raise ValueError(f"`cu_seqlens` must be int32 or int64, got {cu.dtype}")
     _same_device(ref, cu_seqlens=cu)
-    host = None
+    given = None
     if cu_seqlens_cpu is not None:
-        host = _tensor("cu_seqlens_cpu", cu_seqlens_cpu)
-        if host.device.type != "cpu" or host.shape != cu.shape or host.dtype not in INDEX_DTYPES:
-            raise ValueError(f"`cu_seqlens_cpu` must be a CPU int tensor shaped like cu_seqlens {list(cu.shape)}, got {_fmt(host)}")
-        host = host.to(torch.int64)
-    elif check_values or (check_values is None and cu.device.type == "cpu"):
+        given = _tensor("cu_seqlens_cpu", cu_seqlens_cpu)
+        if given.device.type != "cpu" or given.shape != cu.shape or given.dtype not in INDEX_DTYPES:
+            raise ValueError(f"`cu_seqlens_cpu` must be a CPU int tensor shaped like cu_seqlens {list(cu.shape)}, got {_fmt(given)}")
+    if check_values is False or (check_values is None and cu.device.type != "cpu"):
+        return cu.numel() - 1, None
+    if given is None:
         host = host_seqlens(cu)
-    if host is not None:
-        seqlens_derived(host, ("checked", T), lambda: check_seqlens(host.tolist(), T) or True)
+    else:  # a copy: a later write by the caller cannot change this call's boundaries (nor its backward's)
+        host = given.detach().to(torch.int64, copy=True)
+        if cu.device.type == "cpu" and not torch.equal(host, cu.detach().to(torch.int64)):
+            a, b = cu.tolist(), host.tolist()
+            i = next(i for i in range(len(a)) if a[i] != b[i])
+            raise ValueError(f"`cu_seqlens` and `cu_seqlens_cpu` must hold the same values, got cu_seqlens[{i}]={a[i]} "
+                             f"and cu_seqlens_cpu[{i}]={b[i]} (cu_seqlens={a[:8]}, cu_seqlens_cpu={b[:8]})")
+    check_seqlens(host.tolist(), T)
     return cu.numel() - 1, host
 
 
@@ -332,13 +344,15 @@ def _state(name: str, h: torch.Tensor, lead: int | None, shape: KDAShape, state_
     _same_device(q, **{name: h})
 
 
-def _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound):
+def _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, use_gate_in_kernel=False):
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` needs `use_beta_sigmoid_in_kernel=True` (beta becomes 2*sigmoid(beta)), got use_beta_sigmoid_in_kernel=False")
     if safe_gate:
-        if lower_bound is None:
-            raise ValueError("`safe_gate=True` needs `lower_bound` in [-5, 0), got lower_bound=None")
-        if not (-5.0 <= lower_bound < 0.0):
+        # a pre-gated g without lower_bound: the caller vouches that g lies in [-5, 0] (as fla-core)
+        if lower_bound is None and use_gate_in_kernel:
+            raise ValueError("`lower_bound` must be given, in [-5, 0), when `safe_gate=True` and `use_gate_in_kernel=True`, "
+                             "got lower_bound=None")
+        if lower_bound is not None and not (-5.0 <= lower_bound < 0.0):
             raise ValueError(f"`safe_gate=True` needs `lower_bound` in [-5, 0), got lower_bound={lower_bound}")
 
 
@@ -363,8 +377,7 @@ def chunk_options(
     if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int)
                                      or max_num_seqs < 0):
         raise ValueError(f"`max_num_seqs` must be None or a non-negative int, got {max_num_seqs!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in (32, 64):
-        raise ValueError(f"`chunk_size` must be 32 or 64, got {chunk_size!r}")
+    chunk_size = chunk_size_of(chunk_size)
     if cp_context is not None:
         from .distributed.cp import CPContext
 
@@ -391,7 +404,7 @@ def chunk_options(
         raise ValueError(f"with `use_graph`, `cu_seqlens` must hold max_num_seqs + 1 = {max_num_seqs + 1} entries "
                          f"(pad it with empty sequences), got {shape.N + 1}")
     lower_bound = _lower_bound(lower_bound)
-    _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound)
+    _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, use_gate_in_kernel)
     gate = _gate_params(use_gate_in_kernel, A_log, dt_bias, lower_bound, shape.HV, shape.K, q)
     if initial_state is not None:
         _state("initial_state", _tensor("initial_state", initial_state), shape.N, shape, state_v_first, q)

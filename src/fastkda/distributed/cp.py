@@ -135,7 +135,7 @@ def chunk_kda_cp(run, q, k, v, g, beta, kw: dict, ctx: CPContext):
     (called with ``cu_seqlens``, ``initial_state``, ``output_final_state`` set here)."""
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     dev = q.device
-    cu = ctx.local_cu_seqlens(dev)
+    cu, cu_cpu = ctx.local_cu_seqlens(dev), torch.tensor(ctx.local_cu)  # the host copy: nothing read back
     L0 = ctx.first_len
     carried_in = not ctx.fresh[ctx.rank]
     spans = len(ctx.local_cu) == 2  # one segment covers the whole shard
@@ -150,12 +150,13 @@ def chunk_kda_cp(run, q, k, v, g, beta, kw: dict, ctx: CPContext):
         h0 = torch.zeros(len(ctx.local_cu) - 1, HV, K, V + K, device=dev, dtype=sdt)
         h0[0, :, :, V:] = eye
         o_ext, finals_ext = run(q, k, torch.cat([v, v.new_zeros(*v.shape[:3], K)], -1), g, beta, cu_seqlens=cu,
-                                initial_state=h0, output_final_state=True, state_v_first=False, **kw)
+                                cu_seqlens_cpu=cu_cpu, initial_state=h0, output_final_state=True, state_v_first=False,
+                                **kw)
         o, finals = o_ext[..., :V], finals_ext[..., :V]
         Q_eff, A_first = o_ext[:, :L0, :, V:], finals_ext[:1, :, :, V:]
     else:
-        o, finals = run(q, k, v, g, beta, cu_seqlens=cu, initial_state=None, output_final_state=True,
-                        state_v_first=False, **kw)
+        o, finals = run(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, initial_state=None,
+                        output_final_state=True, state_v_first=False, **kw)
         if carried_in:  # too wide for one call, or a short first segment: the identity run on its own
             sl = slice(0, L0)
             Q_eff, A_first = run(q[:, sl], k[:, sl], q.new_zeros(1, L0, HV, K, dtype=v.dtype), g[:, sl], beta[:, sl],

@@ -14,13 +14,17 @@ checkpoints (see docs/layer.md for the mapping).
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import options
 from ..api import chunk_kda, fused_recurrent_kda
+from ..options import MAX_K, chunk_size_of, real_number
 
 __all__ = ["KimiDeltaAttention", "KDACache", "ShortConvolution", "GatedRMSNorm"]
 
@@ -28,6 +32,16 @@ __all__ = ["KimiDeltaAttention", "KDACache", "ShortConvolution", "GatedRMSNorm"]
 def _seq_index(T: int, cu_seqlens: torch.Tensor, device) -> torch.Tensor:
     """For every token of a flattened varlen batch, the index of its sequence (int64)."""
     return torch.searchsorted(cu_seqlens.to(device, torch.long)[1:], torch.arange(T, device=device), right=True)
+
+
+def _int(name: str, x, lo: int, hi: int | None = None, optional: bool = False, what: str | None = None) -> int | None:
+    """An int argument of the layer (NumPy's too) in [lo, hi]; None where optional."""
+    if x is None and optional:
+        return None
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < lo or (hi is not None and x > hi):
+        what = what or (f"an int in [{lo}, {hi}]" if hi is not None else "a positive int" if lo == 1 else f"an int >= {lo}")
+        raise ValueError(f"`{name}` must be {'None or ' if optional else ''}{what}, got {x!r}")
+    return int(x)
 
 
 EXTERNAL_CONV_DEVICES = ("cuda",)  # where the causal-conv1d package's kernels run
@@ -74,9 +88,10 @@ class ShortConvolution(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, output_final_state: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
-        """x: ``[B, T, hidden]`` (B = 1 with ``cu_seqlens``). Returns ``(y, new_cache or None)``."""
-        external = self._external(x, cache, output_final_state, cu_seqlens)
+                cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None):
+        """x: ``[B, T, hidden]`` (B = 1 with ``cu_seqlens``). Returns ``(y, new_cache or None)``.
+        ``cu_seqlens_cpu``: the host copy of ``cu_seqlens``, read for the new cache of a varlen batch."""
+        external = self._external(x, cache, output_final_state, cu_seqlens, cu_seqlens_cpu)
         if external is not None:
             return external
         B, T, D = x.shape
@@ -105,10 +120,10 @@ class ShortConvolution(nn.Module):
             y = F.silu(y)
         new_cache = None
         if output_final_state:
-            new_cache = self._final_cache(x, cache, cu_seqlens)
+            new_cache = self._final_cache(x, cache, cu_seqlens, cu_seqlens_cpu)
         return y, new_cache
 
-    def _external(self, x, cache, output_final_state, cu_seqlens):
+    def _external(self, x, cache, output_final_state, cu_seqlens, cu_seqlens_cpu=None):
         """The causal-conv1d kernel's ``(y, new_cache)`` where it applies, else None."""
         B, T, D = x.shape
         if (CAUSAL_CONV1D is None or x.device.type not in EXTERNAL_CONV_DEVICES or not 2 <= self.kernel_size <= 4
@@ -123,7 +138,8 @@ class ShortConvolution(nn.Module):
             y = CAUSAL_CONV1D(xt, w, bias, seq_idx=seq_idx, activation=self.activation).transpose(1, 2)
             final = None
             if output_final_state:
-                final = self._final_cache(x, x.new_zeros(cu_seqlens.numel() - 1, D, self.kernel_size - 1), cu_seqlens)
+                final = self._final_cache(x, x.new_zeros(cu_seqlens.numel() - 1, D, self.kernel_size - 1), cu_seqlens,
+                                          cu_seqlens_cpu)
             return y, final
         init = None if cache is None else cache.to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         if output_final_state:
@@ -132,15 +148,17 @@ class ShortConvolution(nn.Module):
             return y.transpose(1, 2), final.to(cache.dtype if cache is not None else x.dtype)
         return CAUSAL_CONV1D(xt, w, bias, initial_states=init, activation=self.activation).transpose(1, 2), None
 
-    def _final_cache(self, x, cache, cu_seqlens):
+    def _final_cache(self, x, cache, cu_seqlens, cu_seqlens_cpu=None):
         W = self.kernel_size
+        if W == 1:  # nothing to keep: no boundaries to read
+            return cache[..., :0].clone()
 
         def last(t):  # the last W - 1 inputs (none for W = 1; t[..., -0:] would keep them all)
             return t[..., t.shape[-1] - (W - 1):]
 
         if cu_seqlens is None:
             return last(torch.cat([cache.to(x.dtype), x.transpose(1, 2)], 2)).to(cache.dtype)
-        cu = cu_seqlens.tolist()
+        cu = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
         out = []
         for n in range(len(cu) - 1):
             seq = x[0, cu[n]: cu[n + 1]].transpose(0, 1)  # [D, L]
@@ -199,8 +217,19 @@ class KimiDeltaAttention(nn.Module):
         super().__init__()
         if mode not in ("auto", "chunk", "fused_recurrent"):
             raise ValueError(f"`mode` must be 'auto', 'chunk' or 'fused_recurrent', got {mode!r}")
-        if lower_bound is not None and not (-5.0 <= lower_bound < 0.0):
-            raise ValueError(f"`lower_bound` must be in [-5, 0) (the safe gate), got {lower_bound}")
+        hidden_size, num_heads = _int("hidden_size", hidden_size, 1), _int("num_heads", num_heads, 1)
+        head_dim = _int("head_dim", head_dim, 1, MAX_K)
+        num_v_heads = _int("num_v_heads", num_v_heads, 1, optional=True)
+        head_v_dim = _int("head_v_dim", head_v_dim, 1, optional=True)
+        conv_size = _int("conv_size", conv_size, 0, what="a non-negative int (0: no convolution)")
+        chunk_size = chunk_size_of(chunk_size)
+        if lower_bound is not None:
+            lower_bound = real_number("lower_bound", lower_bound)
+            if not (-5.0 <= lower_bound < 0.0):
+                raise ValueError(f"`lower_bound` must be in [-5, 0) (the safe gate), got {lower_bound}")
+        eps = real_number("norm_eps", norm_eps)
+        if not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"`norm_eps` must be a positive finite number, got {norm_eps!r}")
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.num_v_heads = num_v_heads or num_heads
         if self.num_v_heads % num_heads:
@@ -234,28 +263,51 @@ class KimiDeltaAttention(nn.Module):
         if key in state_dict and state_dict[key].dim() != 1:
             state_dict[key] = state_dict[key].reshape(-1)
 
-    def _conv(self, name, x, cache, layer_cache, cu_seqlens):
+    def _conv(self, name, x, cache, layer_cache, cu_seqlens, cu_seqlens_cpu):
         if self.conv_size == 0:
             return x, None
         conv = getattr(self, f"{name}_conv1d")
-        return conv(x, cache=layer_cache, output_final_state=cache is not None, cu_seqlens=cu_seqlens)
+        return conv(x, cache=layer_cache, output_final_state=cache is not None, cu_seqlens=cu_seqlens,
+                    cu_seqlens_cpu=cu_seqlens_cpu)
 
     def forward(self, hidden_states: torch.Tensor, cache: KDACache | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden_states`` ``[B, T, hidden]`` (B = 1 with ``cu_seqlens``) -> ``[B, T, hidden]``.
 
-        With ``cache``, the states of this layer are read (if present) and updated in it.
+        With ``cache``, the states of this layer are read (if present) and updated in it; the cache
+        must hold as many sequences as the input. ``cu_seqlens_cpu``: the host copy of a device
+        ``cu_seqlens`` (the same values), so that the layer reads nothing back from the device;
+        without it a chunked varlen call reads the boundaries once per layer.
         """
         B, T, _ = hidden_states.shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
+        if cu_seqlens_cpu is not None:
+            if cu_seqlens is None:
+                raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
+            if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu" \
+                    or cu_seqlens_cpu.shape != cu_seqlens.shape:
+                raise ValueError(f"`cu_seqlens_cpu` must be a CPU tensor shaped like cu_seqlens {list(cu_seqlens.shape)}, "
+                                 f"got {cu_seqlens_cpu!r:.80}")
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         conv_q = conv_k = conv_v = None
         state = None
         if cache is not None:
             conv_q, conv_k, conv_v = cache.conv_states.get(self.layer_idx, (None, None, None))
             state = cache.recurrent_states.get(self.layer_idx)
-        q, conv_q = self._conv("q", self.q_proj(hidden_states), cache, conv_q, cu_seqlens)
-        k, conv_k = self._conv("k", self.k_proj(hidden_states), cache, conv_k, cu_seqlens)
-        v, conv_v = self._conv("v", self.v_proj(hidden_states), cache, conv_v, cu_seqlens)
+            held = {t.shape[0] for t in (conv_q, conv_k, conv_v, state) if t is not None}
+            if held and held != {N}:
+                raise ValueError(f"`cache` holds {min(held)} sequences for layer {self.layer_idx}, but the input has {N} "
+                                 "(its batch size, or len(cu_seqlens) - 1): use a new KDACache, or KDACache.reorder")
+        recurrent = self.mode == "fused_recurrent" or (self.mode == "auto" and not self.training and T <= 64)
+        host = cu_seqlens_cpu
+        if host is None and cu_seqlens is not None and not torch.compiler.is_compiling():
+            if cu_seqlens.device.type == "cpu":
+                host = cu_seqlens
+            elif not recurrent or (cache is not None and self.conv_size > 1):  # read once for chunk_kda and the cache
+                host = options.host_seqlens(cu_seqlens)
+        q, conv_q = self._conv("q", self.q_proj(hidden_states), cache, conv_q, cu_seqlens, host)
+        k, conv_k = self._conv("k", self.k_proj(hidden_states), cache, conv_k, cu_seqlens, host)
+        v, conv_v = self._conv("v", self.v_proj(hidden_states), cache, conv_v, cu_seqlens, host)
         g = self.f_b_proj(self.f_a_proj(hidden_states))
         beta = self.b_proj(hidden_states)
         q, k = q.view(B, T, H, K), k.view(B, T, H, K)
@@ -265,11 +317,11 @@ class KimiDeltaAttention(nn.Module):
             use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
             lower_bound=self.lower_bound, cu_seqlens=cu_seqlens,
         )
-        recurrent = self.mode == "fused_recurrent" or (self.mode == "auto" and not self.training and T <= 64)
         if recurrent:
             o, state = fused_recurrent_kda(q, k, v, g, beta, **kw)
         else:
-            o, state = chunk_kda(q, k, v, g, beta, safe_gate=self.lower_bound is not None, chunk_size=self.chunk_size, **kw)
+            o, state = chunk_kda(q, k, v, g, beta, safe_gate=self.lower_bound is not None, chunk_size=self.chunk_size,
+                                 cu_seqlens_cpu=host if cu_seqlens is not None else None, **kw)
         if cache is not None:
             cache.conv_states[self.layer_idx] = (conv_q, conv_k, conv_v)
             cache.recurrent_states[self.layer_idx] = state
