@@ -211,13 +211,14 @@ def test_pool_read_only_returns_final_states(backend, rng):
     ],
 )
 def test_bad_indices_change_nothing(backend, idx, acc, match, rng):
-    """One bad index anywhere: a ValueError naming it and its value, and not a single pool slot
-    changes."""
+    """One bad index anywhere with raise_on_bad_index=True: a ValueError naming it and its value,
+    and not a single pool slot changes."""
     case = Case(B=3, T=1, H=1, HV=2, initial_state=False, final_state=False)
     x = make_inputs(case, device=DEVICE, generator=rng)
     pool = torch.randn(6, 2, 32, 32, device=DEVICE)
     snap = pool.clone()
-    kw = dict(initial_state=pool, ssm_state_indices=torch.tensor(idx, device=DEVICE), inplace_final_state=True)
+    kw = dict(initial_state=pool, ssm_state_indices=torch.tensor(idx, device=DEVICE), inplace_final_state=True,
+              raise_on_bad_index=True)
     if acc is not None:
         kw["num_accepted_tokens"] = torch.tensor(acc, device=DEVICE)
     with use_backend(backend), pytest.raises(ValueError, match=match):
@@ -286,15 +287,16 @@ def test_index_check_names_first_bad_sequence(rng, monkeypatch):
     idx = torch.arange(11, device=DEVICE)
     idx[5], idx[9] = 12, -2  # sequence 5 (second step) is the first bad one
     with use_backend("triton"), pytest.raises(ValueError, match=r"sequence 5 holds"):
-        fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
+        fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True,
+                            raise_on_bad_index=True)
     assert torch.equal(pool, snap)
     assert decode_error(DEVICE) is None  # reported by raising
-    # without raising, the flag an engine reads keeps the first bad call through later good ones
+    # without raising (the default), the flag an engine reads keeps the first bad call through
+    # later good ones
     good = idx.clone()
-    good[5], good[9] = -1, 0
+    good[5], good[9] = -1, 11  # slot 11: no other sequence names it
     with use_backend("triton"):
-        fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True,
-                            raise_on_bad_index=False)
+        fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
         assert torch.equal(pool, snap)
         idx[5] = -1  # now sequence 9 is the first bad one
         fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, raise_on_bad_index=False)
@@ -339,7 +341,7 @@ def test_bad_index_without_raising(backend, rng):
             # a later call that raises reports its own error and keeps this one for decode_error()
             with pytest.raises(ValueError, match=r"sequence 0 holds"):
                 fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=torch.tensor([7, 0, 4], device=DEVICE),
-                                    inplace_final_state=True)
+                                    inplace_final_state=True, raise_on_bad_index=True)
             assert "sequence 1 holds a slot outside the pool" in decode_error(DEVICE)
             assert decode_error(DEVICE) is None
         assert torch.equal(pool, snap)
@@ -383,15 +385,24 @@ def test_strided_index_and_parameter_tensors(backend, spec, rng):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_strided_pool_written_in_place(backend, rng):
-    """A pool that is one layer's view of a wider cache (non-contiguous) is read and written in
+@pytest.mark.parametrize("layout", ["columns", "heads_first_vfirst"])
+def test_strided_pool_written_in_place(backend, layout, rng):
+    """A pool that is one layer's view of a wider cache (non-contiguous: the first 16 of 24
+    columns, or a head-major cache seen slot-major with V-first states) is read and written in
     place like a contiguous one; the rest of the wider cache stays as it was."""
-    case = Case(B=3, T=1, H=1, HV=2, K=16, V=16, initial_state=False, final_state=False)
+    vfirst = layout == "heads_first_vfirst"
+    case = Case(B=3, T=1, H=1, HV=2, K=16, V=16, initial_state=False, final_state=False, state_v_first=vfirst)
     x = make_inputs(case, device=DEVICE, generator=rng)
     idx = torch.tensor([3, -1, 1], device=DEVICE)
-    cache = torch.randn(4, 2, 16, 24, device=DEVICE)
+    if vfirst:
+        cache = torch.randn(2, 4, 16, 24, device=DEVICE)  # [HV, slots, V, K + 8]
+        pool = cache[..., :16].transpose(0, 1)
+        slot = lambda c, i: c[:, i]  # noqa: E731
+    else:
+        cache = torch.randn(4, 2, 16, 24, device=DEVICE)  # [slots, HV, K, V + 8]
+        pool = cache[..., :16]
+        slot = lambda c, i: c[i]  # noqa: E731
     before = cache.clone()
-    pool = cache[..., :16]
     assert not pool.is_contiguous()
     dense = pool.clone()
     with use_backend(backend):
@@ -399,8 +410,9 @@ def test_strided_pool_written_in_place(backend, rng):
         got, ret = fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
     assert ret is pool
     assert torch.equal(got, want) and torch.equal(pool, dense)
-    assert torch.equal(cache[..., 16:], before[..., 16:]) and torch.equal(cache[[0, 2]], before[[0, 2]])
-    assert not torch.equal(cache[3], before[3])
+    assert torch.equal(cache[..., 16:], before[..., 16:])
+    assert all(torch.equal(slot(cache, i), slot(before, i)) for i in (0, 2))
+    assert not torch.equal(slot(cache, 3), slot(before, 3))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -187,26 +187,35 @@ def fused_recurrent_kda(
     ssm_state_indices: torch.Tensor | None = None,
     num_accepted_tokens: torch.Tensor | None = None,
     inplace_final_state: bool = False,
-    raise_on_bad_index: bool = True,
+    raise_on_bad_index: bool = False,
     transpose_state_layout: bool | None = None,
 ):
     """Token-by-token Kimi Delta Attention for decoding, with serving-engine state pools.
 
     Arguments as :func:`chunk_kda`, plus:
         ssm_state_indices: ``[N]`` slot of every sequence in the pool passed as ``initial_state``
-            (``[num_slots, HV, K, V]``); ``-1`` marks a padding sequence: zero output, nothing
-            touched. ``[N, 1 + num_draft]`` for speculative decoding.
+            (``[num_slots, HV, K, V]``, any strides: a view of a wider cache is read and written
+            where it lies); ``-1`` marks a padding sequence: zero output, nothing touched.
+            ``[N, 1 + num_draft]`` for speculative decoding. With ``inplace_final_state`` no two
+            sequences of a call may touch one slot (read or write it); sequences that only read
+            may share one, and one sequence may name a slot twice in its row (its later token's
+            state stays there).
         num_accepted_tokens: ``[N]``; sequence n starts from slot
             ``ssm_state_indices[n, num_accepted_tokens[n] - 1]``.
         inplace_final_state: write the final state into ``initial_state`` (at the slots of
             ``ssm_state_indices``; with speculative decoding the state after token t goes to slot
-            ``ssm_state_indices[n, t]``). The returned final state is then that tensor.
-        raise_on_bad_index: with ``ssm_state_indices`` on the Triton backend, read the device-side
-            index check back after the call and raise ``ValueError`` on a bad index (one host
-            synchronisation per call; skipped while a CUDA graph is being captured). False never
-            synchronises: a call with a bad index still reads and writes no slot and returns
-            zeros, and :func:`decode_error` says why. The PyTorch backend checks on the host and
-            always raises.
+            ``ssm_state_indices[n, t]``). The returned final state is then that tensor. A state
+            whose elements overlap in memory (an expanded view) is a ``ValueError``.
+        raise_on_bad_index: what a bad pool index (a slot outside ``[0, num_slots)`` other than
+            -1, a ``num_accepted_tokens`` outside ``[1, 1 + num_draft]``, more tokens than columns,
+            a slot shared by two sequences of an in-place call) does on the Triton backend, which
+            checks the indices on the device. Either way the call reads and writes no slot and
+            returns zeros, and the decode kernel never touches memory outside the pool. False
+            (default): the call does not synchronise with the host, and :func:`decode_error` reports
+            the error later. True: the call reads its check back (one synchronisation) and raises
+            ``ValueError``; not while a CUDA graph is being captured (a replay cannot raise; it
+            reports through :func:`decode_error`). The PyTorch backend checks on the host and
+            raises either way.
         transpose_state_layout: the former name of ``state_v_first`` (deprecated: a warning).
 
     Returns:
@@ -224,6 +233,8 @@ def fused_recurrent_kda(
         cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
         inplace_final_state=inplace_final_state, raise_on_bad_index=raise_on_bad_index, check_values=not compiling,
     )
+    if inplace_final_state and not compiling:  # the compiled op runs this call eagerly, which checks
+        _check_writable("initial_state", initial_state)
     if compiling:  # the in-place op (a pool written in place) has no backward; the functional one has
         op = torch.ops.fastkda.fused_recurrent_kda if inplace_final_state else torch.ops.fastkda.fused_recurrent_kda_functional
         o, final = op(
@@ -239,17 +250,34 @@ def fused_recurrent_kda(
         return registry.dispatch("fused_recurrent_kda", opts, inputs)
 
 
+def _check_writable(name: str, t: torch.Tensor) -> None:
+    """ValueError unless the elements of ``t`` lie at distinct addresses (dims ordered by stride,
+    each stride passes the extent of the smaller ones), as a tensor written in place must."""
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1)
+    if any(n == 0 for _, n in dims):
+        return
+    extent = 0
+    for st, n in dims:
+        if st <= extent:
+            raise ValueError(
+                f"`{name}` is written in place (inplace_final_state=True) but elements of it overlap in memory "
+                f"(shape {list(t.shape)}, stride {tuple(t.stride())}: an expanded or self-overlapping view); "
+                f"pass a tensor that owns its elements (e.g. `{name}.clone()`)")
+        extent += st * (n - 1)
+
+
 def decode_error(device=None) -> str | None:
     """What was wrong with the pool indices of the first Triton ``fused_recurrent_kda`` call with
-    ``ssm_state_indices`` on ``device`` (default: the current CUDA device) that did not raise (a
-    graph replay, or a call with ``raise_on_bad_index=False``) since the last read, or None if
-    there is none; reading it clears it.
+    ``ssm_state_indices`` on ``device`` (default: the current CUDA device) that did not raise (the
+    default ``raise_on_bad_index=False``, or a graph replay) since the last read, or None if there
+    is none; reading it clears it, and nothing else does: a later call, good or bad, from any
+    thread or stream, neither overwrites nor clears it.
 
-    Such a call checks its indices on the device and, finding a bad one, reads and writes no slot
-    and returns zeros. Called eagerly it then raises ``ValueError``, unless called with
-    ``raise_on_bad_index=False``; replayed from a CUDA graph it cannot, so an engine calls this
-    after a replay or a step (it reads a device flag: one synchronisation).
-    The PyTorch backend checks on the host and always raises at once.
+    Such a call checks its indices on the device (slots in the pool, accepted-token counts, tokens
+    per sequence, and with ``inplace_final_state`` no slot shared by two sequences) and, finding a
+    bad one, reads and writes no slot and returns zeros. An engine calls this after a step or a
+    graph replay (it reads a device flag: one synchronisation). The PyTorch backend checks on the
+    host and raises at once.
     """
     from .backends.triton import recurrent
 

@@ -1,19 +1,26 @@
 """Decoding: token-by-token KDA on state pools, without host synchronisation.
 
-Two launches. ``kda_check_indices_kernel`` validates every pool index (slots in [-1, num_slots),
-accepted-token counts in [1, 1 + num_draft], tokens per sequence <= 1 + num_draft) and writes an
-error code; ``kda_recurrent_kernel`` reads that code with the slot of its sequence and, if it is
-set, treats every sequence as padding (reads and writes no slot), so a call with one bad index
-changes nothing at all. The wrapper raises on the code when the stream is
-not being captured into a CUDA graph (unless ``raise_on_bad_index=False``: then no call
-synchronises); ``fastkda.decode_error()`` reads the first error of the calls that did not raise
-(graph replays, or calls with ``raise_on_bad_index=False``).
+Two launches per pool call. ``kda_check_indices_kernel`` checks the call's indices (slots in
+[-1, num_slots), accepted-token counts in [1, 1 + num_draft], tokens per sequence <= 1 + num_draft,
+and with an in-place write no slot touched by two sequences) and writes the error code of this
+call into a scratch of its own; ``kda_recurrent_kernel`` reads that code and, if it is set, treats
+every sequence as padding, so that a call with one bad index changes nothing. Whatever the code
+says, the decode kernel forms a pool pointer only for a slot in [0, num_slots) and a draft column
+below 1 + num_draft: it never reads or writes outside the pool.
+
+A call that does not raise (the default, and every graph replay) also records its error in the
+device's sticky code: set by compare-and-swap (the first error stays), cleared only by
+``decode_error()`` (an atomic exchange). ``raise_on_bad_index=True`` reads the call's own code back
+(one synchronisation) and raises.
 
 One program per (value block of BV columns, sequence, value head); the float32 state tile
-[BK, BV] lives in registers for all tokens of the sequence.
+[BK, BV] lives in registers for all tokens of the sequence. Pools are indexed through their
+strides, so a view of a wider cache is read and written where it lies.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import triton
@@ -21,71 +28,108 @@ import triton.language as tl
 
 from ... import platform
 from ...testing import new_empty
-from .common import activate_gate, cdiv, contiguous, contiguous_inputs, gate_launch, pow2, seq_grid, seq_program
+from .common import activate_gate, contiguous_inputs, gate_launch, pow2, seq_grid, seq_program
 
-# value columns and warps per program: many one-warp programs keep the most state loads in
-# flight (H200, N=256 H=32 K=V=128, CUDA graph: BV=16/1 warp 0.356 ms, 32/1 0.373, 32/4 0.404)
+# value columns and warps per program: many one-warp programs keep the most state loads in flight
 REC_BV = 16  # for K <= 128
 REC_WARPS = 1
-REC_WIDE = (32, 4)  # (BV, warps) for K > 128: BV=16 at 1 warp spills 1.3 KB there (sm_90), this does not
+REC_WIDE = (32, 4)  # (BV, warps) for K > 128, where BV=16 at one warp spills
 CHECK_BN = 256  # sequences per step of the index check
 
-# error codes: 0 ok; otherwise kind + 4 * (sequence index)
-ERR_SLOT, ERR_ACCEPTED, ERR_TOKENS = 1, 2, 3
+# error codes: 0 ok; otherwise kind + ERR_BASE * (sequence index)
+ERR_SLOT, ERR_ACCEPTED, ERR_TOKENS, ERR_SHARED = 1, 2, 3, 4
+ERR_BASE = 8
 # the same codes as kernel constants (a kernel reads only globals that are tl.constexpr)
 _ERR_SLOT, _ERR_ACCEPTED, _ERR_TOKENS = tl.constexpr(ERR_SLOT), tl.constexpr(ERR_ACCEPTED), tl.constexpr(ERR_TOKENS)
+_ERR_SHARED, _ERR_BASE = tl.constexpr(ERR_SHARED), tl.constexpr(ERR_BASE)
 
 
 @triton.jit
-def kda_check_indices_kernel(idx, acc, cu_seqlens, err, N, T, num_slots, stride_idx, COLS: tl.constexpr,
-                             BC: tl.constexpr, BN: tl.constexpr, SPEC: tl.constexpr, IS_VARLEN: tl.constexpr,
-                             KEEP: tl.constexpr):
-    """err[0] <- 0, or the error of the first sequence that has one: kind + 4 * sequence. BN
-    sequences at a time. With KEEP (a call that will not raise) the error also goes to err[1],
-    the first error of the calls that did not raise, unless that holds one already (decode_error()
-    clears it)."""
-    NONE: tl.constexpr = 2**31 - 1
+def pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS, BC: tl.constexpr, BN: tl.constexpr,
+              SPEC: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Sequences n0 .. n0 + BN of a pool call: (o_n, m_n, their token counts, b_idx [BN, BC] the
+    slots of their index rows, m_touch [BN, BC] the entries whose slot the decode kernel reads or
+    writes: in the pool, of a live sequence, its start column or a column of one of its tokens)."""
     o_c = tl.arange(0, BC)
+    o_n = n0 + tl.arange(0, BN)
+    m_n = o_n < N
+    if IS_VARLEN:
+        L = tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0) - tl.load(cu_seqlens + o_n, mask=m_n, other=0)
+    else:
+        L = tl.zeros([BN], tl.int32) + T
+    m_e = m_n[:, None] & (o_c < COLS)[None, :]
+    b_idx = tl.load(idx + o_n.to(tl.int64)[:, None] * stride_idx + o_c[None, :], mask=m_e, other=-1).to(tl.int64)
+    m_touch = m_e & (b_idx >= 0) & (b_idx < num_slots)
+    if SPEC:
+        i_a = tl.minimum(tl.maximum(tl.load(acc + o_n, mask=m_n, other=1).to(tl.int64), 1), COLS) - 1
+        b_start = tl.sum(tl.where(o_c[None, :] == i_a[:, None], b_idx, 0), 1)
+        m_live = (b_start >= 0) & (b_start < num_slots)
+        m_touch = m_touch & m_live[:, None] & ((o_c[None, :] == i_a[:, None]) | (o_c[None, :] < L[:, None]))
+    return o_n, m_n, L, b_idx, m_touch
+
+
+@triton.jit
+def kda_check_indices_kernel(idx, acc, cu_seqlens, scratch, sticky, N, T, num_slots, stride_idx, COLS,
+                             BC: tl.constexpr, BN: tl.constexpr, SPEC: tl.constexpr, IS_VARLEN: tl.constexpr,
+                             KEEP: tl.constexpr, UNIQUE: tl.constexpr):
+    """scratch[0] <- 0, or the error of the first sequence that has one (kind + ERR_BASE *
+    sequence), BN sequences at a time. UNIQUE (an in-place call): every slot the call touches
+    belongs to one sequence; scratch[1 + slot] (zeroed by the caller) takes the largest
+    sequence + 1 touching it, and every other sequence touching it has ERR_SHARED. KEEP (a call
+    that will not raise): the code also goes to sticky[0] unless that holds one already."""
+    NONE: tl.constexpr = 2**31 - 1
     b_first = tl.full([BN], NONE, tl.int32)
     for n0 in range(0, N, BN):
-        o_n = n0 + tl.arange(0, BN)
-        m_n = o_n < N
-        if IS_VARLEN:
-            L = tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0) - tl.load(cu_seqlens + o_n, mask=m_n, other=0)
-        else:
-            L = T
-        b_idx = tl.load(idx + o_n.to(tl.int64)[:, None] * stride_idx + o_c[None, :],
-                        mask=m_n[:, None] & (o_c < COLS)[None, :], other=0).to(tl.int64)
-        bad_slot = tl.sum(((b_idx < -1) | (b_idx >= num_slots)).to(tl.int32), 1) > 0
-        this = tl.where(bad_slot, _ERR_SLOT, 0)
+        o_n, m_n, L, b_idx, m_touch = pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS,
+                                                BC, BN, SPEC, IS_VARLEN)
+        m_bad = (b_idx < -1) | (b_idx >= num_slots)  # the entries outside the rows hold -1
+        b_kind = tl.where(tl.sum(m_bad.to(tl.int32), 1) > 0, _ERR_SLOT, 0)
         if SPEC:
-            a = tl.load(acc + o_n, mask=m_n, other=1).to(tl.int64)
-            this = tl.where((a < 1) | (a > COLS), _ERR_ACCEPTED, this)
-            this = tl.where(L > COLS, _ERR_TOKENS, this)
-        b_first = tl.minimum(b_first, tl.where(m_n & (this != 0), this + 4 * o_n, NONE))
+            b_a = tl.load(acc + o_n, mask=m_n, other=1).to(tl.int64)
+            b_kind = tl.where((b_a < 1) | (b_a > COLS), _ERR_ACCEPTED, b_kind)
+            b_kind = tl.where(L > COLS, _ERR_TOKENS, b_kind)
+        b_first = tl.minimum(b_first, tl.where(m_n & (b_kind != 0), b_kind + _ERR_BASE * o_n, NONE))
+        if UNIQUE:
+            b_who = tl.zeros([BN, BC], tl.int32) + (o_n + 1)[:, None]
+            tl.atomic_max(scratch + 1 + tl.where(m_touch, b_idx, 0), b_who, mask=m_touch)
+    if UNIQUE:
+        tl.debug_barrier()  # every claim is in before any is read back
+        for n0 in range(0, N, BN):
+            o_n, m_n, L, b_idx, m_touch = pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS,
+                                                    BC, BN, SPEC, IS_VARLEN)
+            # an atomic read: the claims of every thread of the program, not a cached line
+            b_owner = tl.atomic_max(scratch + 1 + tl.where(m_touch, b_idx, 0), tl.zeros([BN, BC], tl.int32),
+                                    mask=m_touch)
+            m_shared = tl.sum((m_touch & (b_owner != (o_n + 1)[:, None])).to(tl.int32), 1) > 0
+            b_first = tl.minimum(b_first, tl.where(m_n & m_shared, _ERR_SHARED + _ERR_BASE * o_n, NONE))
     b_code = tl.min(b_first, 0)
     b_code = tl.where(b_code == NONE, 0, b_code)
-    tl.store(err + tl.arange(0, 1), b_code + tl.zeros([1], tl.int32))
+    tl.store(scratch + tl.arange(0, 1), b_code + tl.zeros([1], tl.int32))
     if KEEP:
-        b_kept = tl.load(err + 1 + tl.arange(0, 1))
-        tl.store(err + 1 + tl.arange(0, 1), tl.where(b_kept == 0, b_code, b_kept))
+        tl.atomic_cas(sticky, 0, b_code)
+
+
+@triton.jit
+def kda_take_error_kernel(sticky, out):
+    """out[0] <- sticky[0], which becomes 0 in the same atomic step."""
+    tl.store(out, tl.atomic_xchg(sticky, 0))
 
 
 @triton.jit(do_not_specialize=["T", "num_slots"])
 def kda_recurrent_kernel(
-    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, err,
-    scale, lower_bound, T, num_slots, stride_idx, COLS,
+    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, scratch,
+    scale, lower_bound, T, num_slots, stride_idx, COLS, stride_hs, stride_hh, stride_hk, stride_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, SIGMOID: tl.constexpr,
     BETA_SCALE: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, POOL: tl.constexpr, SPEC: tl.constexpr,
-    INPLACE: tl.constexpr, V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
+    INPLACE: tl.constexpr, V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, H_TILE: tl.constexpr,
 ):
     i_v, i_nh = seq_program(V, BV)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    if IS_VARLEN:  # the boundaries are kept inside [0, T] whatever cu_seqlens holds
+        bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_n).to(tl.int64), 0), T)
+        T_seq = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_n + 1).to(tl.int64), bos), T) - bos
     else:
         bos = i_n * T
         T_seq = T
@@ -93,27 +137,37 @@ def kda_recurrent_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_h = m_k[:, None] & m_v[None, :]
-    if V_FIRST:  # [V, K] layout in memory, [BK, BV] tile in registers
-        o_h = o_v[None, :] * K + o_k[:, None]
+    # the state tile [BK, BV] in ht ([N, HV, K, V] or [.., V, K]) and in the caller's state tensor:
+    # H_TILE 0 lays out its slots' [K, V] (or [V, K]) like ht, 1 any strides, 2 strides whose
+    # offsets within a slot need 64 bits
+    if V_FIRST:
+        o_ht = o_v[None, :] * K + o_k[:, None]
     else:
-        o_h = o_k[:, None] * V + o_v[None, :]
+        o_ht = o_k[:, None] * V + o_v[None, :]
+    if H_TILE == 0:
+        o_h = o_ht
+    elif H_TILE == 1:
+        o_h = o_k[:, None] * stride_hk + o_v[None, :] * stride_hv
+    else:
+        o_h = o_k.to(tl.int64)[:, None] * stride_hk + o_v.to(tl.int64)[None, :] * stride_hv
 
     slot0 = i_n
     if POOL:
-        # the error code and the slot are read together; with a bad index anywhere (code != 0) the
-        # sequence counts as padding: nothing is read from or written to the pool
-        ok = tl.load(err) == 0
+        # a sequence is live when the call's check found nothing (code 0) and its slot lies in the
+        # pool; -1 (padding) and any slot outside [0, num_slots) read and write nothing
+        ok = tl.load(scratch) == 0
         if SPEC:
             a = tl.minimum(tl.maximum(tl.load(acc + i_n).to(tl.int64), 1), COLS)  # in the row even when bad
             slot0 = tl.load(idx + i_n * stride_idx + a - 1).to(tl.int64)
         else:
             slot0 = tl.load(idx + i_n * stride_idx).to(tl.int64)
-        live = ok & (slot0 >= 0)  # -1: a padding sequence
+        live = ok & (slot0 >= 0) & (slot0 < num_slots)
+        slot0 = tl.where(live, slot0, 0)  # no address outside the pool is formed
     else:
         live = slot0 >= 0
     b_S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        b_S += tl.load(h0 + (slot0 * HV + i_hv) * K * V + o_h, mask=m_h & live, other=0.0).to(tl.float32)
+        b_S += tl.load(h0 + slot0 * stride_hs + i_hv * stride_hh + o_h, mask=m_h & live, other=0.0).to(tl.float32)
 
     p_o = o + (bos * HV + i_hv) * V + o_v
     for t in range(0, T_seq):
@@ -137,35 +191,53 @@ def kda_recurrent_kernel(
         tl.store(p_o + t * HV * V, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
         if SPEC:
             if INPLACE:
-                slot_t = tl.load(idx + i_n * stride_idx + t, mask=live, other=-1).to(tl.int64)
-                if live & (slot_t >= 0):
-                    tl.store(h0 + (slot_t * HV + i_hv) * K * V + o_h, b_S.to(h0.dtype.element_ty), mask=m_h)
+                # the state after token t goes to column t of the row: none past the row's end
+                slot_t = tl.load(idx + i_n * stride_idx + t, mask=live & (t < COLS), other=-1).to(tl.int64)
+                if (slot_t >= 0) & (slot_t < num_slots):
+                    tl.store(h0 + slot_t * stride_hs + i_hv * stride_hh + o_h, b_S.to(h0.dtype.element_ty), mask=m_h)
 
     if INPLACE and not SPEC:
         if live:
-            tl.store(h0 + (slot0 * HV + i_hv) * K * V + o_h, b_S.to(h0.dtype.element_ty), mask=m_h)
+            tl.store(h0 + slot0 * stride_hs + i_hv * stride_hh + o_h, b_S.to(h0.dtype.element_ty), mask=m_h)
     if STORE_HT:
-        tl.store(ht + i_nh * K * V + o_h, tl.where(live, b_S, 0.0), mask=m_h)
+        tl.store(ht + i_nh * K * V + o_ht, tl.where(live, b_S, 0.0), mask=m_h)
 
 
-_ERR_BUFFERS: dict = {}
+_STICKY: dict = {}
+_STICKY_LOCK = threading.Lock()
 
 
-def error_buffer(device) -> torch.Tensor:
-    """The per-device int32 error codes (static, so graphs can capture them): [0] of the last pool
-    decode call, [1] the first of the calls that did not raise, until decode_error() reads it.
-    "cuda" means the current CUDA device."""
-    device = platform.resolve_device(device)
+def sticky_error(device) -> torch.Tensor:
+    """The int32 sticky error code of ``device`` (one per device, static so that graphs capture
+    it): the first error of the calls that did not raise, until decode_error() takes it."""
     key = str(device)
-    if key not in _ERR_BUFFERS:
-        _ERR_BUFFERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return _ERR_BUFFERS[key]
+    with _STICKY_LOCK:
+        buf = _STICKY.get(key)
+        if buf is None:
+            if platform.capturing(device):  # an allocation here would belong to the graph
+                raise RuntimeError(
+                    f"the first fused_recurrent_kda call with `ssm_state_indices` on {device} is being captured into a "
+                    "CUDA graph; make one eager call first (it also compiles the kernels)")
+            buf = _STICKY[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return buf
 
 
-def describe_error(code: int, num_slots: int | None = None, cols: int | None = None, idx=None, acc=None) -> str:
+def _touched(n: int, idx, acc, lens) -> set[int]:
+    """The slots sequence n reads or writes (host side, error path only)."""
+    row = idx[n].reshape(-1).tolist()
+    if acc is None:
+        return {row[0]} if row[0] >= 0 else set()
+    a = min(max(int(acc[n]), 1), len(row)) - 1
+    if row[a] < 0:
+        return set()
+    return {s for c, s in enumerate(row) if s >= 0 and (c == a or c < lens[n])}
+
+
+def describe_error(code: int, num_slots: int | None = None, cols: int | None = None, idx=None, acc=None,
+                   lens=None) -> str:
     """The message of an error code (the pool size and columns, when known, name the bounds; the
-    index tensors, when given, the values: read back from the device, on the error path only)."""
-    kind, n = code % 4, code // 4
+    index tensors and token counts, when given, the values: read back on the error path only)."""
+    kind, n = code % ERR_BASE, code // ERR_BASE
     if kind == ERR_SLOT:
         pool = f"[0, {num_slots})" if num_slots is not None else "the pool"
         got = f": {idx[n].tolist()}" if idx is not None else ""
@@ -174,61 +246,90 @@ def describe_error(code: int, num_slots: int | None = None, cols: int | None = N
     if kind == ERR_ACCEPTED:
         got = f", got {int(acc[n])}" if acc is not None else ""
         return f"`num_accepted_tokens[{n}]` must be in [1, {cols_}]{got}"
-    return f"sequence {n} has more tokens than the {cols_} slots per sequence of `ssm_state_indices`"
+    if kind == ERR_TOKENS:
+        return f"sequence {n} has more tokens than the {cols_} slots per sequence of `ssm_state_indices`"
+    rule = "with inplace_final_state=True a slot may belong to one sequence of a call only"
+    if idx is not None and lens is not None:
+        mine = _touched(n, idx, acc, lens)
+        for m in range(n + 1, idx.shape[0]):
+            common = mine & _touched(m, idx, acc, lens)
+            if common:
+                return (f"`ssm_state_indices`: sequence {n} shares pool slot {min(common)} with sequence {m} "
+                        f"({idx[n].tolist()} and {idx[m].tolist()}); {rule}")
+    return f"`ssm_state_indices`: sequence {n} shares a pool slot with a later sequence of its call; {rule}"
+
+
+def _state_strides(h0, v_first: bool) -> tuple[dict, int]:
+    """The kernel's stride arguments of the state tensor (slot, head, key row, value column) and
+    its H_TILE: 0 when every slot's [K, V] (or [V, K]) is laid out densely, 1 other strides, 2
+    other strides whose offsets within a slot need 64 bits."""
+    if h0 is None:
+        return dict(stride_hs=0, stride_hh=0, stride_hk=0, stride_hv=0), 0
+    s_s, s_h, s_a, s_b = h0.stride()
+    s_k, s_v = (s_b, s_a) if v_first else (s_a, s_b)
+    n_a, n_b = h0.shape[2:]
+    strides = dict(stride_hs=s_s, stride_hh=s_h, stride_hk=s_k, stride_hv=s_v)
+    if (n_b == 1 or s_b == 1) and (n_a == 1 or s_a == n_b):
+        return strides, 0
+    span = sum((n - 1) * st for n, st in zip(h0.shape[1:], h0.stride()[1:]) if n > 0)
+    return strides, 1 if span < 2**31 else 2
 
 
 def recurrent_forward(opts, x):
     s = opts.shape
     B, T, H, HV, K, V, N = s.B, s.T, s.H, s.HV, s.K, s.V, s.N
-    x = contiguous_inputs(x, keep=("initial_state",))  # the pool stays the caller's tensor (see below)
+    x = contiguous_inputs(x, keep=("initial_state",))  # the state is the caller's tensor, indexed by its strides
     q, k, v, g, beta = x.q, x.k, x.v, x.g, x.beta
     dev = q.device
-    # a strided pool (e.g. one layer's view of a wider cache) runs on a contiguous copy, copied back
-    # into it at the end when written in place (a copy of the whole pool each way: keep pools
-    # contiguous where speed matters)
-    h0 = contiguous(x.initial_state)
+    h0 = x.initial_state
     o = new_empty(B, T, HV, V, dtype=v.dtype, device=dev)
     ht = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev) if (
         opts.output_final_state and not opts.inplace_final_state) else None
     idx, acc = x.ssm_state_indices, x.num_accepted_tokens
-    err = error_buffer(dev)
     cols = idx.shape[1] if (idx is not None and idx.ndim == 2) else 1
     num_slots = h0.shape[0] if h0 is not None else 0
     raises = opts.pool and opts.raise_on_bad_index and not platform.capturing(dev)  # reads the check back
+    scratch = None
     if opts.pool:
+        # this call's error code, then (in place) the owner of every slot
+        unique = opts.inplace_final_state
+        scratch = torch.zeros(1 + (num_slots if unique else 0), dtype=torch.int32, device=dev)
+        sticky = scratch if raises else sticky_error(platform.resolve_device(dev))
         kda_check_indices_kernel[(1,)](
-            idx, acc, x.cu_seqlens, err, N, T, num_slots, idx.stride(0), COLS=cols, BC=pow2(cols, 1), BN=CHECK_BN,
-            SPEC=opts.spec_decode, IS_VARLEN=x.cu_seqlens is not None, KEEP=not raises,
+            idx, acc, x.cu_seqlens, scratch, sticky, N, T, num_slots, idx.stride(0), cols, BC=pow2(cols, 1),
+            BN=CHECK_BN, SPEC=opts.spec_decode, IS_VARLEN=x.cu_seqlens is not None, KEEP=not raises, UNIQUE=unique,
         )
     BK = pow2(K)
     BV, warps = (REC_BV, REC_WARPS) if BK <= 128 else REC_WIDE
     BV = min(pow2(V), BV)
+    strides, h_tile = _state_strides(h0, opts.state_v_first)
     if N * HV > 0:
         kda_recurrent_kernel[seq_grid(V, BV, N * HV)](
-            q, k, v, g, beta, x.A_log, x.dt_bias, o, h0, ht, x.cu_seqlens, idx, acc, err,
+            q, k, v, g, beta, x.A_log, x.dt_bias, o, h0, ht, x.cu_seqlens, idx, acc, scratch,
             scale=opts.scale, T=T, num_slots=num_slots, stride_idx=idx.stride(0) if idx is not None else 0, COLS=cols,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **gate_launch(opts, x.A_log, x.dt_bias), L2NORM=opts.qk_l2norm,
-            SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, USE_H0=h0 is not None, STORE_HT=ht is not None,
-            POOL=opts.pool, SPEC=opts.spec_decode, INPLACE=opts.inplace_final_state, V_FIRST=opts.state_v_first,
-            IS_VARLEN=x.cu_seqlens is not None, num_warps=warps,
+            **strides, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **gate_launch(opts, x.A_log, x.dt_bias),
+            L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, USE_H0=h0 is not None,
+            STORE_HT=ht is not None, POOL=opts.pool, SPEC=opts.spec_decode, INPLACE=opts.inplace_final_state,
+            V_FIRST=opts.state_v_first, IS_VARLEN=x.cu_seqlens is not None, H_TILE=h_tile, num_warps=warps,
         )
     if raises:
-        code = int(err[0].item())
+        code = int(scratch[0].item())
         if code:
-            raise ValueError(describe_error(code, num_slots, cols, idx, acc) + "; nothing was written")
+            lens = None
+            if code % ERR_BASE == ERR_SHARED:
+                lens = (x.cu_seqlens.diff().tolist() if x.cu_seqlens is not None else [T] * N)
+            raise ValueError(describe_error(code, num_slots, cols, idx, acc, lens) + "; nothing was written")
     if opts.inplace_final_state:
-        if h0 is not x.initial_state:  # ran on a contiguous copy of a strided pool: copy it back
-            x.initial_state.copy_(h0)
         return o, x.initial_state
     return o, ht
 
 
 def take_error_code(device) -> int:
-    """The first error code on ``device`` of the calls that did not raise since the last read
-    (0: none), which it clears; reading it synchronises."""
-    err = error_buffer(device)
-    code = int(err[1].item())
-    if code:
-        err[1] = 0
-    return code
-
+    """The sticky error code of ``device`` (0: none), cleared in the same atomic step; reading it
+    synchronises."""
+    buf = _STICKY.get(str(device))
+    if buf is None:  # no call on this device has kept an error
+        return 0
+    out = torch.empty(1, dtype=torch.int32, device=device)
+    kda_take_error_kernel[(1,)](buf, out)
+    return int(out.item())
