@@ -8,7 +8,7 @@ from helpers import AXES, check, grow, tol_for
 
 from fastkda import chunk_kda, decode_error, fused_recurrent_kda, use_backend
 from fastkda.backends import backends
-from fastkda.testing import Case, make_inputs, reference
+from fastkda.testing import Case, make_inputs, reference, rel_rms
 
 BACKENDS = [b.name for b in backends() if "fused_recurrent_kda" in b.ops]
 REC_AXES = {n: c for n, c in AXES.items() if not n.startswith("chunk32")}
@@ -409,7 +409,10 @@ def test_strided_pool_written_in_place(backend, layout, rng):
         want, _ = fused_recurrent_kda(**x, initial_state=dense, ssm_state_indices=idx, inplace_final_state=True)
         got, ret = fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
     assert ret is pool
-    assert torch.equal(got, want) and torch.equal(pool, dense)
+    if GPU:  # compiled for other strides, the launch may take another register layout and sum order
+        assert rel_rms(got, want) <= 1e-6 and rel_rms(pool, dense) <= 1e-6
+    else:
+        assert torch.equal(got, want) and torch.equal(pool, dense)
     assert torch.equal(cache[..., 16:], before[..., 16:])
     assert all(torch.equal(slot(cache, i), slot(before, i)) for i in (0, 2))
     assert not torch.equal(slot(cache, 3), slot(before, 3))
