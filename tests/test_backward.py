@@ -573,3 +573,17 @@ def test_double_backward_raises(rng):
     (dq,) = torch.autograd.grad((o * o).sum() + s.sum(), x["q"], create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         dq.sum().backward()
+
+
+def test_double_backward_torch_backend(rng):
+    """The PyTorch backend differentiates twice: second-order gradients match the reference's."""
+    x = make_inputs(Case(T=20, H=1, HV=1, K=16, V=16, dtype=torch.float64), requires_grad=True, generator=rng)
+
+    def second_order(run):
+        o, s = run()
+        (dq,) = torch.autograd.grad((o * o).sum() + s.sum(), x["q"], create_graph=True)
+        return torch.autograd.grad(dq.square().sum(), x["k"])[0]
+
+    with use_backend("torch"):
+        got = second_order(lambda: chunk_kda(**x))
+    check("d2k", got, second_order(lambda: reference(x)), 1e-10)

@@ -69,7 +69,7 @@ class KDAOptions:
     pool: bool = False  # ssm_state_indices given: initial_state is a pool of slots
     spec_decode: bool = False  # 2-D ssm_state_indices + num_accepted_tokens
     inplace_final_state: bool = False
-    raise_on_bad_index: bool = True  # read the device-side pool index check back and raise
+    raise_on_bad_index: bool = False  # read the device-side pool index check back and raise (one sync)
 
     @property
     def beta_scale(self) -> float:
@@ -430,7 +430,7 @@ def chunk_options(
 def recurrent_options(
     q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
-    ssm_state_indices, num_accepted_tokens, inplace_final_state, raise_on_bad_index: bool = True,
+    ssm_state_indices, num_accepted_tokens, inplace_final_state, raise_on_bad_index: bool = False,
     check_values: bool = True,
 ) -> tuple[KDAOptions, KDAInputs]:
     flags = dict(
