@@ -98,7 +98,7 @@ def chunk_kda(
             autograd keeps the intra-chunk matrices either way (docs/api.md).
         return_intermediate_states: also return ``h``, the state at the start of every chunk,
             ``[B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``; ``V, K`` last with
-            ``state_v_first``); inference mode only.
+            ``state_v_first``) in the dtype of ``q`` (as fla-core returns it); inference mode only.
         state_v_first: states are ``[V, K]`` instead of ``[K, V]``.
         cu_seqlens: ``[N+1]`` int32/int64 sequence boundaries of a flattened batch (B = 1).
             The values are read on every call (one small device-to-host copy for a device tensor).
@@ -162,7 +162,7 @@ def chunk_kda(
     with ctx:
         o, final, h = registry.dispatch("chunk_kda", opts, inputs)
     if return_intermediate_states:
-        return o, final, h
+        return o, final, h.to(q.dtype)  # the input dtype, as fla-core's h (half of float32's memory for 16-bit inputs)
     return o, final
 
 

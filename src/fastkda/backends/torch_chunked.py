@@ -1,13 +1,17 @@
-"""PyTorch backend: the chunked algorithm vectorised over sequences, heads and chunks.
+"""PyTorch backend: the chunked algorithm vectorised over chunks and heads.
 
 Runs on any device, float32 arithmetic (float64 for float64 inputs), autograd by torch. Sequences
-(dense rows or varlen segments) are laid out as ``[N, NT*C]`` with zero padding: a padded token has
-g = 0, k = q = v = 0 and beta = 0, so it changes no state and its output is dropped.
+(dense rows or varlen segments) are cut into chunks without padding them to the longest
+(``ChunkLayout``): full chunks go through one state scan in which step t holds the t-th chunk of
+every sequence that has one; each sequence's last, partial chunk is zero-padded to a power of two
+(a padded token has g = 0, k = q = v = 0 and beta = 0: it changes no state) and runs after the
+scan. Work and memory grow with the total tokens.
 
 Intra-chunk decay factors ``exp(G_i - G_j)`` are never formed from ``exp(G)`` alone: pairs of
 sub-blocks are anchored at a token between them so every exponent stays small (see
 ``intra_chunk`` and docs/math.md). Cumulative gates are summed in float64 so that their
-differences stay exact for large gates.
+differences stay exact for large gates, and gates are floored at GATE_FLOOR so that a hard reset
+(g = -inf) or a huge gate never forms inf - inf nor swamps the gates summed after it.
 """
 
 from __future__ import annotations
@@ -22,50 +26,127 @@ from ..naive import activate, naive_kda_gate, naive_kda_lowerbound_gate
 from ..options import GateMode, GateOptions, KDAInputs, KDAOptions, check_seqlens, graph_chunk_slots
 from .registry import Backend
 
+# exp of every sum of gates that includes a gate at or below this is exactly 0 in float32 and
+# float64 (gates are <= 0), as it is for the gate itself; float64 sums keep later gates exact
+GATE_FLOOR = -1000.0
+
+
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-class SeqLayout:
-    """Maps ``[B, T, ...]`` tensors (dense, or varlen with B = 1) to padded ``[N, NT*C, ...]``."""
+def seq_lens(B: int, T: int, cu_host: torch.Tensor | None) -> tuple[list[int], list[int]]:
+    """(length, first token) of every sequence: dense rows, or the segments of cu_seqlens."""
+    if cu_host is None:
+        return [T] * B, [b * T for b in range(B)]
+    cu = cu_host.tolist()
+    return [cu[i + 1] - cu[i] for i in range(len(cu) - 1)], cu[:-1]
 
-    def __init__(self, B: int, T: int, C: int, cu_host: torch.Tensor | None, device):
+
+class ChunkLayout:
+    """Maps the tokens of ``[B, T, ...]`` tensors (dense rows, or varlen segments with B = 1) to
+    groups of chunks ``[n, c, ...]`` and back.
+
+    Group 0 holds the full chunks (C tokens), step-major for the state scan: ``steps[t] = (offset,
+    count)`` is the t-th full chunk of the first ``count`` sequences of ``order`` (sequences by
+    number of full chunks, descending), so the sequences still running at step t are a prefix of
+    ``order``. Each further group holds the last, partial chunks of sequences (``tail_seqs``) whose
+    token count r has the same padded size c, a power of two with c/2 < r <= c. Sequences in
+    ``skip`` get no chunks: their tokens map to zero rows on the way back.
+    """
+
+    def __init__(self, B: int, T: int, C: int, cu_host: torch.Tensor | None, device, skip=None):
         self.B, self.T, self.C = B, T, C
         self.varlen = cu_host is not None
-        if self.varlen:
-            cu = cu_host.tolist()
-            self.lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
-        else:
-            self.lens = [T] * B
-        self.N = len(self.lens)
-        # a dense batch keeps its T even when B = 0 (the output is [0, T, ...])
-        self.NT = max((math.ceil(n / C) for n in self.lens), default=0) if self.varlen else math.ceil(T / C)
-        self.Tp = self.NT * C
-        if self.varlen:
-            starts = cu[:-1]
-            pos = torch.arange(self.Tp)
-            src = torch.tensor(starts, dtype=torch.long)[:, None] + pos[None, :]
-            valid = pos[None, :] < torch.tensor(self.lens, dtype=torch.long)[:, None]
-            self.src = torch.where(valid, src, T).to(device)  # T indexes the appended zero row
-            dst = [n * self.Tp + torch.arange(L) for n, L in enumerate(self.lens)]
-            self.dst = (torch.cat(dst) if dst else torch.zeros(0, dtype=torch.long)).to(device)  # no sequences: none
+        self.lens, starts = seq_lens(B, T, cu_host)
+        N = self.N = len(self.lens)
+        total = B * T if not self.varlen else T
+        lens = [0 if skip is not None and skip[n] else L for n, L in enumerate(self.lens)]
+        nf = [L // C for L in lens]  # full chunks per sequence
+        order = sorted(range(N), key=lambda n: -nf[n])
+        rank = [0] * N
+        for i, n in enumerate(order):
+            rank[n] = i
+        self.steps, pos = [], 0
+        running = N
+        for t in range(nf[order[0]] if N else 0):
+            while nf[order[running - 1]] <= t:
+                running -= 1
+            self.steps.append((pos, running))
+            pos += running
+        NF = pos
+        # full chunk (n, c) sits at steps[c].offset + rank[n]
+        full_start, full_pos = [0] * NF, []
+        for n in range(N):
+            for c in range(nf[n]):
+                p = self.steps[c][0] + rank[n]
+                full_start[p] = starts[n] + c * C
+                full_pos.append(p)
+        ar = torch.arange(C)
+        srcs = [(torch.tensor(full_start, dtype=torch.long)[:, None] + ar).view(NF, C)]
+        # partial last chunks by padded size
+        tails: dict[int, list[int]] = {}
+        for n, L in enumerate(lens):
+            if L % C:
+                tails.setdefault(1 << (L % C - 1).bit_length(), []).append(n)
+        self.tail_seqs, tail_at = [], {}
+        base, pad = NF, total  # index `total`: the zero row appended by `flat`
+        for c in sorted(tails):
+            seqs = tails[c]
+            first = torch.tensor([starts[n] + nf[n] * C for n in seqs], dtype=torch.long)
+            rem = torch.tensor([lens[n] % C for n in seqs], dtype=torch.long)
+            arc = torch.arange(c)
+            srcs.append(torch.where(arc < rem[:, None], first[:, None] + arc, pad))
+            for i, n in enumerate(seqs):
+                tail_at[n] = base + i
+            self.tail_seqs.append(torch.tensor(seqs, dtype=torch.long, device=device))
+            base += len(seqs)
+        self.padded = len(srcs) > 1
+        # every token's row in the concatenated groups (flattened); uncovered tokens the zero row
+        flat_src = torch.cat([s.flatten() for s in srcs])
+        rows = torch.arange(flat_src.numel())
+        keep = flat_src < total
+        tok_pos = torch.full((total + 1,), flat_src.numel(), dtype=torch.long)
+        tok_pos[flat_src[keep]] = rows[keep]
+        self.srcs = [s.to(device) for s in srcs]
+        self.tok_pos = tok_pos[:total].to(device)
+        self.covered = not bool((tok_pos[:total] == flat_src.numel()).any())
+        # chunks in sequence order, as rows of the concatenated groups (group 0's rows then tails)
+        chunk_pos, it = [], iter(full_pos)
+        for n in range(N):
+            chunk_pos += [next(it) for _ in range(nf[n])]
+            if n in tail_at:
+                chunk_pos.append(tail_at[n])
+        self.chunk_pos = torch.tensor(chunk_pos, dtype=torch.long, device=device)
+        # every sequence's final state: after its full chunks (rows 0..N-1), or after its tail
+        self.final_pos = torch.tensor([tail_at[n] - NF + N if n in tail_at else n for n in range(N)],
+                                      dtype=torch.long, device=device)
+        self.order = torch.tensor(order, dtype=torch.long, device=device)
+        self.rank = torch.tensor(rank, dtype=torch.long, device=device)
+        self.NT = max(math.ceil(L / C) for L in self.lens) if N else 0  # chunks of the longest sequence
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        if self.varlen:
-            flat = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])
-            return flat[self.src]
-        pad = [0, 0] * (x.ndim - 2) + [0, self.Tp - self.T]
-        return F.pad(x, pad)
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [B*T (+ 1 zero row where chunks are padded), ...]."""
+        x = x[0] if self.varlen else x.reshape(self.B * self.T, *x.shape[2:])
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])]) if self.padded else x
 
-    def unpad(self, y: torch.Tensor) -> torch.Tensor:
-        if self.varlen:
-            return y.reshape(self.N * self.Tp, *y.shape[2:])[self.dst][None]
-        return y[:, : self.T]
+    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """[B, T, ...] -> one [n, c, ...] per group."""
+        xf = self.flat(x)
+        return [xf[s] for s in self.srcs]
 
-    def chunk_valid(self) -> torch.Tensor:
-        """[N, NT] bool: the chunk holds at least one real token."""
-        nt = torch.tensor([math.ceil(n / self.C) for n in self.lens], dtype=torch.long)
-        return torch.arange(self.NT)[None, :] < nt[:, None]
+    def merge(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """One [n, c, ...] per group -> [B, T, ...] (tokens of skipped sequences zero)."""
+        rows = [p.flatten(0, 1) for p in parts]
+        if not self.covered:
+            rows.append(rows[0].new_zeros(1, *rows[0].shape[1:]))
+        y = torch.cat(rows)[self.tok_pos]
+        return y[None] if self.varlen else y.view(self.B, self.T, *y.shape[1:])
+
+    def unsort(self, done: list[torch.Tensor], rest: torch.Tensor) -> torch.Tensor:
+        """States in sequence order from a scan's pieces: ``done[t]`` holds the sequences that left
+        after step t (ranks steps[t+1].count .. steps[t].count), ``rest`` those with no step."""
+        return torch.cat([*reversed(done), rest])[self.rank]
 
 
 def _activate(opts: KDAOptions, x: KDAInputs, dtype):
@@ -77,7 +158,7 @@ def _activate(opts: KDAOptions, x: KDAInputs, dtype):
     )
 
 
-MIN_BLOCK = 16  # smallest diagonal block taken with one mid-anchored product
+MIN_BLOCK = 16  # smallest diagonal block taken with one mid-anchored product (in chunks of 16 or more)
 MAX_HALF_SPAN = 64.0  # mid-anchored factors stay within exp(+-64): far from float32 overflow
 
 
@@ -113,22 +194,23 @@ def _half_span(G64, bs: int) -> float:
 def intra_chunk(qc, kc, G64, scale):
     """Aqk (j <= i, times scale) and Akk (j < i) of every chunk, without overflow for any gate.
 
-    qc, kc: [..., C, K]; G64: the within-chunk cumulative gate in float64, so that differences of
-    long sums stay exact. Diagonal blocks of bs tokens take one product anchored at their middle
-    token, ``(x e^(G - G_mid)) (k e^(G_mid - G))^T``, with bs the largest of C, C/2, .., 16 whose
-    factors stay within exp(MAX_HALF_SPAN) (the safe path of the spec; any gate when none fits:
-    bs = 1). Above bs, halves of 2s-token blocks are paired and anchored at the later half's first
-    token, so every exponent is <= 0. Returns two [..., C, C].
+    qc, kc: [..., C, K] with C a power of two; G64: the within-chunk cumulative gate in float64, so
+    that differences of long sums stay exact. Diagonal blocks of bs tokens take one product
+    anchored at their middle token, ``(x e^(G - G_mid)) (k e^(G_mid - G))^T``, with bs the largest
+    of C, C/2, .., min(16, C) whose factors stay within exp(MAX_HALF_SPAN) (the safe path of the
+    spec; any gate when none fits: bs = 1). Above bs, halves of 2s-token blocks are paired and
+    anchored at the later half's first token, so every exponent is <= 0. Returns two [..., C, C].
     """
     C = qc.shape[-2]
     Aqk = qc.new_zeros(*qc.shape[:-1], C)
     Akk = torch.zeros_like(Aqk)
     if qc.numel() == 0:
         return Aqk, Akk
+    smallest = max(2, min(MIN_BLOCK, C))
     bs = C
-    while bs >= MIN_BLOCK and _half_span(G64, bs) > MAX_HALF_SPAN:
+    while bs >= smallest and _half_span(G64, bs) > MAX_HALF_SPAN:
         bs //= 2
-    if bs < MIN_BLOCK:
+    if bs < smallest:
         bs = 1
     s = C // 2
     while s >= bs:
@@ -148,6 +230,25 @@ def intra_chunk(qc, kc, G64, scale):
     return Aqk * scale, Akk
 
 
+def _prepare(qc, kc, vc, gc, bc, scale):
+    """The per-chunk work of one group of chunks, qc, kc, gc: [n, HV, c, K], vc: [n, HV, c, V],
+    bc: [n, HV, c]: Aqk [n, HV, c, c]; w [.., c, K] and u [.., c, V] of the WY form; q e^G scale;
+    (k e^(G_last - G))^T [.., K, c]; e^(G_last) [.., K, 1]."""
+    c, K = qc.shape[-2:]
+    G64 = gc.to(torch.float64).cumsum(-2)
+    G = G64.to(qc.dtype)
+    Aqk, Akk = intra_chunk(qc, kc, G64, scale)
+    # (I + Diag(beta) Akk) [w u] = Diag(beta) [k exp(G), v]
+    eye = torch.eye(c, dtype=qc.dtype, device=qc.device)
+    eG = G.exp()
+    rhs = bc[..., None] * torch.cat([kc * eG, vc], -1)
+    wu = torch.linalg.solve_triangular(eye + bc[..., None] * Akk, rhs, upper=False, unitriangular=True)
+    qg = qc * eG * scale
+    kd = (kc * (G64[..., -1:, :] - G64).to(qc.dtype).exp()).transpose(-1, -2)
+    decay_last = G[..., -1:, :].transpose(-1, -2).exp()
+    return Aqk, wu[..., :K], wu[..., K:], qg, kd, decay_last
+
+
 def chunk_forward(opts: KDAOptions, x: KDAInputs):
     """(o, final_state, h) of chunk_kda; h is None unless intermediate states are asked for."""
     if opts.graph:
@@ -155,55 +256,58 @@ def chunk_forward(opts: KDAOptions, x: KDAInputs):
     s, C = opts.shape, opts.chunk_size
     cdt = compute_dtype(x.q)
     q, k, v, g, beta = _activate(opts, x, cdt)  # [B, T, HV, *]
-    lay = SeqLayout(s.B, s.T, C, x.cu_seqlens_cpu, q.device)
-    N, NT = lay.N, lay.NT
+    g = g.clamp(min=GATE_FLOOR)
+    lay = ChunkLayout(s.B, s.T, C, x.cu_seqlens_cpu, q.device)
+    N, HV, K, V = lay.N, s.HV, s.K, s.V
 
-    def chunks(t):  # [B, T, HV, *] -> chunk-major [NT, N, HV, C, *]
-        t = lay.pad(t).unflatten(1, (NT, C))
-        return (t.permute(1, 0, 3, 2, 4) if t.ndim == 5 else t.permute(1, 0, 3, 2)).contiguous()
+    def heads_first(t):  # [n, c, HV, *] -> [n, HV, c, *]
+        return t.transpose(1, 2).contiguous()
 
-    qc, kc, vc, gc, bc = (chunks(t) for t in (q, k, v, g, beta))
-    G64 = gc.to(torch.float64).cumsum(-2)
-    G = G64.to(cdt)
-    Aqk, Akk = intra_chunk(qc, kc, G64, opts.scale)
-    # (I + Diag(beta) Akk) [w u] = Diag(beta) [k exp(G), v]
-    eye = torch.eye(C, dtype=cdt, device=q.device)
-    eG = G.exp()
-    rhs = bc[..., None] * torch.cat([kc * eG, vc], -1)
-    wu = torch.linalg.solve_triangular(eye + bc[..., None] * Akk, rhs, upper=False, unitriangular=True)
-    w, u = wu[..., : s.K], wu[..., s.K :]
-    qg = qc * eG * opts.scale
-    kd = (kc * (G64[..., -1:, :] - G64).to(cdt).exp()).transpose(-1, -2)  # k exp(G_last - G): [NT, N, HV, K, C]
-    decay_last = G[..., -1:, :].transpose(-1, -2).exp()  # [NT, N, HV, K, 1]
+    groups = [_prepare(*parts, opts.scale)
+              for parts in zip(*((heads_first(p) for p in lay.split(t)) for t in (q, k, v, g, beta)))]
 
     if x.initial_state is not None:
-        S = x.initial_state.to(cdt)
-        S = S.transpose(-1, -2) if opts.state_v_first else S
+        S0 = x.initial_state.to(cdt)
+        S0 = S0.transpose(-1, -2) if opts.state_v_first else S0
     else:
-        S = q.new_zeros(N, s.HV, s.K, s.V)
-    u3, w3, kd3, dl3 = (t.flatten(1, 2) for t in (u, w, kd, decay_last))  # batch dims merged for baddbmm
-    S = S.reshape(N * s.HV, s.K, s.V)
-    hs, vns = [], []
-    for t in range(NT):  # only the state recurrence is sequential; outputs are batched after it
+        S0 = q.new_zeros(N, HV, K, V)
+    # the scan over full chunks: step t advances the first `a` sequences of lay.order by one chunk
+    Aqk, w, u, qg, kd, dl = groups[0]
+    S_sorted = S0[lay.order]
+    a0 = lay.steps[0][1] if lay.steps else 0
+    S = S_sorted[:a0]
+    hs, vns, done = [], [], []
+    for t, (off, a) in enumerate(lay.steps):
+        nxt = lay.steps[t + 1][1] if t + 1 < len(lay.steps) else 0
+        rows = slice(off, off + a)
+        S3 = S.reshape(a * HV, K, V)  # batch dims merged for baddbmm
+        vn = torch.baddbmm(u[rows].flatten(0, 1), w[rows].flatten(0, 1), S3, alpha=-1)  # v' = u - w S
+        S_next = torch.baddbmm(dl[rows].flatten(0, 1) * S3, kd[rows].flatten(0, 1), vn).view(a, HV, K, V)
         hs.append(S)
-        vns.append(torch.baddbmm(u3[t], w3[t], S, alpha=-1))  # v' = u - w S
-        S = torch.baddbmm(dl3[t] * S, kd3[t], vns[-1])
-    S = S.view(N, s.HV, s.K, s.V)
-    if NT:
-        H_all = torch.stack(hs).view(NT, N, s.HV, s.K, s.V)  # state at every chunk start
-        o_pad = (qg @ H_all + Aqk @ torch.stack(vns).view_as(u)).permute(1, 0, 3, 2, 4)  # [N, NT, C, HV, V]
-    else:
-        H_all, o_pad = q.new_zeros(0, N, s.HV, s.K, s.V), q.new_zeros(N, 0, C, s.HV, s.V)
-    o = lay.unpad(o_pad.flatten(1, 2)).to(x.v.dtype).contiguous()  # [B, T, HV, V]
+        vns.append(vn.view(a, HV, C, V))
+        done.append(S_next[nxt:])
+        S = S_next[:nxt]
+    S_mid = lay.unsort(done, S_sorted[a0:])  # after every full chunk
+    H_full = torch.cat(hs) if hs else S0.new_zeros(0, HV, K, V)  # the state at every full chunk's start
+    outs = [qg @ H_full + Aqk @ (torch.cat(vns) if vns else u)]
+    # each sequence's partial last chunk, from its state after the full chunks
+    starts, ends = [H_full], [S_mid]
+    for seqs, (Aqk, w, u, qg, kd, dl) in zip(lay.tail_seqs, groups[1:]):
+        Sb = S_mid[seqs]
+        vn = u - w @ Sb
+        outs.append(qg @ Sb + Aqk @ vn)
+        starts.append(Sb)
+        ends.append(dl * Sb + kd @ vn)
+    o = lay.merge([t.transpose(1, 2) for t in outs]).to(x.v.dtype).contiguous()  # [B, T, HV, V]
 
     final = None
     if opts.output_final_state:
-        final = S.transpose(-1, -2) if opts.state_v_first else S
+        final = torch.cat(ends)[lay.final_pos] if len(ends) > 1 else S_mid
+        final = final.transpose(-1, -2) if opts.state_v_first else final
     h = None
     if opts.return_intermediate_states:
-        h = H_all.transpose(0, 1)  # [N, NT, HV, K, V]
-        if lay.varlen:
-            h = h[lay.chunk_valid().to(h.device)][None]
+        h = torch.cat(starts)[lay.chunk_pos]  # [chunks in sequence order, HV, K, V]
+        h = h[None] if lay.varlen else h.view(s.B, lay.NT, HV, K, V)
         if opts.state_v_first:
             h = h.transpose(-1, -2)
     return o, final, h
@@ -238,9 +342,11 @@ def _graph_chunk_forward(opts: KDAOptions, x: KDAInputs):
 # decoding
 
 
-def check_pool_indices(opts: KDAOptions, x: KDAInputs, lens: list[int]) -> None:
-    """Value checks of the pool indices (host side); raises before anything is written."""
-    idx = x.ssm_state_indices.detach().cpu()
+def check_pool_indices(opts: KDAOptions, x: KDAInputs, lens: list[int]) -> torch.Tensor:
+    """Value checks of the pool indices on the host, before anything is read or written: slots in
+    [0, num_slots) or -1 (padding) and, in a call that writes the pool, no slot read or written by
+    two live sequences. Returns every sequence's start slot (-1: padding), a host tensor."""
+    idx = x.ssm_state_indices.detach().cpu().long()
     num_slots = x.initial_state.shape[0]
     bad = (idx < -1) | (idx >= num_slots)
     if bad.any():
@@ -249,7 +355,7 @@ def check_pool_indices(opts: KDAOptions, x: KDAInputs, lens: list[int]) -> None:
             f"`ssm_state_indices` holds slot {idx[tuple(n)].item()} at {n}; slots must be in [0, {num_slots}) or -1 (padding)"
         )
     if opts.spec_decode:
-        acc = x.num_accepted_tokens.detach().cpu()
+        acc = x.num_accepted_tokens.detach().cpu().long()
         cols = idx.shape[1]
         bad = (acc < 1) | (acc > cols)
         if bad.any():
@@ -258,31 +364,52 @@ def check_pool_indices(opts: KDAOptions, x: KDAInputs, lens: list[int]) -> None:
         for n, L in enumerate(lens):
             if L > cols:
                 raise ValueError(f"sequence {n} has {L} tokens but `ssm_state_indices` has {cols} slots per sequence")
+        start = idx.gather(1, (acc - 1)[:, None])[:, 0]
+    else:
+        start = idx if idx.ndim == 1 else idx[:, 0]
+    if opts.inplace_final_state:  # every slot the call touches belongs to one sequence
+        rows = idx.tolist()
+        touched = []
+        for n, s0 in enumerate(start.tolist()):
+            used = set() if s0 < 0 else {s0}
+            if s0 >= 0 and opts.spec_decode:  # the state after token t goes to slot idx[n, t]
+                used.update(sl for sl in rows[n][: lens[n]] if sl >= 0)
+            touched.append(used)
+        if sum(map(len, touched)) > len(set().union(*touched)):  # names the first pair as the Triton check does
+            for n, mine in enumerate(touched):
+                for m in range(n + 1, len(touched)):
+                    if mine & touched[m]:
+                        raise ValueError(
+                            f"`ssm_state_indices`: sequence {n} shares pool slot {min(mine & touched[m])} with "
+                            f"sequence {m} ({rows[n]} and {rows[m]}); with inplace_final_state=True a slot may "
+                            "belong to one sequence of a call only")
+    return start
 
 
 def recurrent_forward(opts: KDAOptions, x: KDAInputs):
-    """(o, final_state) of fused_recurrent_kda; writes pools in place when asked."""
+    """(o, final_state) of fused_recurrent_kda; writes pools in place when asked. Step t advances
+    every sequence with more than t tokens by one token (ChunkLayout with C = 1); padding
+    sequences take no steps, read no slot and output zeros."""
     s = opts.shape
     cdt = compute_dtype(x.q)
+    dev = x.q.device
     cu_host = None if x.cu_seqlens is None else x.cu_seqlens.detach().to("cpu", torch.int64)
-    lay = SeqLayout(s.B, s.T, 1, cu_host, x.q.device)
+    live = None
     if opts.pool:
-        check_pool_indices(opts, x, lay.lens)
-    q, k, v, g, beta = (lay.pad(t) for t in _activate(opts, x, cdt))  # [N, Tmax, HV, *]
-    N, dev = lay.N, x.q.device
+        start_host = check_pool_indices(opts, x, seq_lens(s.B, s.T, cu_host)[0])
+        live = start_host >= 0
+    lay = ChunkLayout(s.B, s.T, 1, cu_host, dev, skip=None if live is None else (~live).tolist())
+    N = lay.N
+    q, k, v, g, beta = (lay.split(t)[0][:, 0] for t in _activate(opts, x, cdt))  # [tokens, HV, *], step-major
 
-    live = torch.ones(N, dtype=torch.bool, device=dev)
     if opts.pool:
-        idx = x.ssm_state_indices.long()
-        if opts.spec_decode:
-            start = idx.gather(1, (x.num_accepted_tokens.long() - 1)[:, None])[:, 0]
-        else:
-            start = idx if idx.ndim == 1 else idx[:, 0]
-        live = start >= 0  # -1: a padding sequence
-        if x.initial_state.shape[0]:
-            S = x.initial_state[start.clamp(min=0)].to(cdt) * live[:, None, None, None]
-        else:  # an empty pool: every sequence is padding (the indices were checked above)
-            S = q.new_zeros(N, s.HV, *x.initial_state.shape[2:])
+        pool = x.initial_state
+        rows = live.nonzero()[:, 0]
+        start = start_host.to(dev)
+        S = q.new_zeros(N, s.HV, *pool.shape[2:])  # padding sequences: zeros, no slot read
+        if rows.numel():
+            rows = rows.to(dev)
+            S = S.index_copy(0, rows, pool[start[rows]].to(cdt))
     elif x.initial_state is not None:
         S = x.initial_state.to(cdt)
     else:
@@ -290,18 +417,25 @@ def recurrent_forward(opts: KDAOptions, x: KDAInputs):
     S = S.transpose(-1, -2) if opts.state_v_first else S  # [N, HV, K, V]
 
     per_token = opts.pool and opts.inplace_final_state and opts.spec_decode
-    outs, states = [], []
-    for t in range(lay.Tp):
-        S = S * g[:, t].exp()[..., None]
-        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("nhk,nhkv->nhv", k[:, t], S))
-        S = S + k[:, t, :, :, None] * delta[:, :, None, :]
-        outs.append(torch.einsum("nhk,nhkv->nhv", q[:, t] * opts.scale, S))
+    S_sorted = S[lay.order]
+    a0 = lay.steps[0][1] if lay.steps else 0
+    S = S_sorted[:a0]
+    outs, states, done = [], [], []
+    for t, (off, a) in enumerate(lay.steps):
+        nxt = lay.steps[t + 1][1] if t + 1 < len(lay.steps) else 0
+        r = slice(off, off + a)
+        S = S * g[r].exp()[..., None]
+        kt = k[r, :, :, None]  # [a, HV, K, 1]; products as sums: no matmul launch per token
+        delta = beta[r, :, None] * (v[r] - (kt * S).sum(-2))
+        S = S + kt * delta[:, :, None, :]
+        outs.append(((q[r] * opts.scale)[..., None] * S).sum(-2))
         if per_token:
             states.append(S)
-    o_pad = torch.stack(outs, 1) if outs else q.new_zeros(N, 0, s.HV, s.V)
-    o_pad = o_pad * live[:, None, None, None]
-    o = lay.unpad(o_pad).to(x.v.dtype).contiguous()
-    S = S * live[:, None, None, None]
+        done.append(S[nxt:])
+        S = S[:nxt]
+    S = lay.unsort(done, S_sorted[a0:])
+    o_steps = torch.cat(outs) if outs else q.new_zeros(0, s.HV, s.V)
+    o = lay.merge([o_steps[:, None]]).to(x.v.dtype).contiguous()
 
     def layout(t):
         return t.transpose(-1, -2) if opts.state_v_first else t
@@ -312,13 +446,14 @@ def recurrent_forward(opts: KDAOptions, x: KDAInputs):
             if not opts.pool:
                 pool.copy_(layout(S))
             elif not opts.spec_decode:
-                rows = live.nonzero()[:, 0]
                 pool.index_copy_(0, start[rows], layout(S)[rows].to(pool.dtype))
             else:  # the state after token t of sequence n goes to slot idx[n, t]
+                idx = x.ssm_state_indices.long()
                 for t, St in enumerate(states):
-                    ok = live & (torch.tensor(lay.lens, device=dev) > t) & (idx[:, t] >= 0)
-                    rows = ok.nonzero()[:, 0]
-                    pool.index_copy_(0, idx[rows, t], layout(St)[rows].to(pool.dtype))
+                    seqs = lay.order[: St.shape[0]]
+                    slots = idx[seqs, t]
+                    ok = (slots >= 0).nonzero()[:, 0]
+                    pool.index_copy_(0, slots[ok], layout(St)[ok].to(pool.dtype))
         return o, pool
     final = layout(S).float() if cdt == torch.float32 else layout(S)
     return o, (final if opts.output_final_state else None)
@@ -338,9 +473,8 @@ def gate_chunk_cumsum(opts: GateOptions, g, A_log, dt_bias, cu_seqlens):
     B, T = g.shape[:2]
     cu_host = None if cu_seqlens is None else cu_seqlens.detach().to("cpu", torch.int64)
     y = gate_forward(GateOptions(opts.gate, opts.lower_bound, compute_dtype(g)), g, A_log, dt_bias)
-    lay = SeqLayout(B, T, opts.chunk_size, cu_host, g.device)
-    yc = lay.pad(y).unflatten(1, (lay.NT, opts.chunk_size)).cumsum(2).flatten(1, 2)
-    out = lay.unpad(yc)
+    lay = ChunkLayout(B, T, opts.chunk_size, cu_host, g.device)
+    out = lay.merge([p.cumsum(1) for p in lay.split(y)])
     if opts.scale is not None:
         out = out * opts.scale
     return out.to(opts.output_dtype)
