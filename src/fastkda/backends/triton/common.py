@@ -255,7 +255,7 @@ def _chunk_tables(lens: tuple[int, ...], C: int, device: str):
 
 
 def chunk_tables(cu_host: torch.Tensor, C: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(chunk_indices, chunk_offsets, NT_total) of the host copy of cu_seqlens, kept with the copy
+    """(chunk_indices, chunk_offsets, NT_total) of the host copy of cu_seqlens, kept by its values
     (options.seqlens_derived) and by sequence lengths (_chunk_tables)."""
     def make():
         cu = cu_host.tolist()
