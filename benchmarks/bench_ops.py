@@ -199,7 +199,11 @@ def breakdown(name="B1 T8192 H64"):
     launch configurations (tools/sweep_launch.py sweeps those of stage 1)."""
     import triton.testing as tt
 
-    from fastkda.backends.triton import common, prepare, scan
+    import dataclasses
+
+    from fastkda.backends.triton import forward, scan
+    from fastkda.backends.triton.function import plan_of
+    from fastkda.backends.triton.plan import tuned
     from fastkda.options import chunk_options
 
     _, B, T, H, seqlens, gate = next(c for c in FORWARD if c[0] == name)
@@ -210,35 +214,32 @@ def breakdown(name="B1 T8192 H64"):
     rows = []
     with torch.inference_mode():
         opts, inp = chunk_options(*x.values(), **call)
-        whole = prepare.whole_forward(opts, False, False)
+        plan = plan_of(opts, inp, train=False)
 
-        def stage1():  # the path inference takes: u formed in the scan where scan.u_in_scan says so
-            intra = prepare.fwd_intra(opts, inp.q, inp.k, inp.g, inp.beta, inp.A_log, inp.dt_bias, None, None, whole,
-                                      False)
-            u_in = scan.u_in_scan(opts, intra, False, inp.q.dtype)
-            return prepare.fwd_wu(opts, intra, inp.q, inp.k, inp.v, inp.beta, None, with_u=not u_in)
+        def stage1():  # the path inference takes (u formed in the scan where the plan says so)
+            return forward.stage1_wu(opts, plan, plan.forward, forward.stage1_intra(opts, plan, inp), inp)
 
         out = stage1()
         ms = tt.do_bench(stage1, warmup=25, rep=100, return_mode="median")
         rows.append({"case": name, "stage": "prepare", "ms": ms, "u_in_scan": out.u is None})
-        print(f"{name}: prepare (4 launches{', u left to the scan' if out.u is None else ''}): {ms:.3f} ms", flush=True)
-        sargs = (opts, out, None, None, inp.v.dtype, *common.dot_config(inp.q.dtype))
-        skw = dict(v=inp.v, beta=inp.beta)
-        kept = scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS, scan.SCAN_STAGES, scan.SCAN_STAGES_CROWDED
+        print(f"{name}: stage 1 (4 launches{', u left to the scan' if out.u is None else ''}): {ms:.3f} ms", flush=True)
         for bv, warps, stages in ((64, 8, 2), (64, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 3), (128, 8, 2), (64, 4, 1)):
-            # both widths and both stage counts: the scan takes SCAN_BV_NARROW for shapes of few
-            # programs and SCAN_STAGES_CROWDED for more programs than SMs
-            scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS = bv, bv, warps
-            scan.SCAN_STAGES = scan.SCAN_STAGES_CROWDED = stages
+            # every width and stage count, whatever the shape would take by default
+            with tuned(scan_bv=bv, scan_bv_narrow=bv, scan_warps=warps, scan_stages=stages, scan_stages_crowded=stages):
+                p2 = plan_of(opts, inp, train=False)
+            sc = dataclasses.replace(p2.forward, form_u=plan.forward.form_u)  # stage 1 above decided u
+
+            def run_scan():
+                scan.fwd_scan(opts, p2, sc, out.w, out.u, forward.wu_x(out), out.qg, out.kd, out.Aqk, out.gl,
+                              out.chunk_indices, out.chunk_offsets, out.NT_total, inp)
             try:
-                scan.fwd_scan(*sargs, **skw)
-                ms = tt.do_bench(lambda: scan.fwd_scan(*sargs, **skw), warmup=25, rep=100, return_mode="median")
+                run_scan()
+                ms = tt.do_bench(run_scan, warmup=25, rep=100, return_mode="median")
             except Exception as e:  # an out-of-resources configuration
                 print(f"scan BV={bv} warps={warps} stages={stages}: {type(e).__name__}")
                 continue
             rows.append({"case": name, "stage": "scan", "BV": bv, "warps": warps, "stages": stages, "ms": ms})
             print(f"{name}: scan BV={bv} warps={warps} stages={stages}: {ms:.3f} ms", flush=True)
-        scan.SCAN_BV, scan.SCAN_BV_NARROW, scan.SCAN_WARPS, scan.SCAN_STAGES, scan.SCAN_STAGES_CROWDED = kept
     return rows
 
 
@@ -288,7 +289,7 @@ def bench_backward(cases, done=None):
 
 
 DECODE = [(n, h, 32) for h in (32, 16) for n in (1, 16, 64, 256, 512)]
-DECODE_LAUNCH = [(16, 1), (32, 4), (32, 2), (64, 4), (64, 8), (16, 2), (128, 8), (8, 1), (32, 1), (64, 2), (128, 4)]  # (REC_BV, REC_WARPS), N=256 H=32
+DECODE_LAUNCH = [(16, 1), (32, 4), (32, 2), (64, 4), (64, 8), (16, 2), (128, 8), (8, 1), (32, 1), (64, 2), (128, 4)]  # (Tuning.decode_bv, decode_warps), N=256 H=32
 
 
 def _graph_ms(call):
@@ -333,7 +334,7 @@ def bench_decode(cases):
     import triton.testing as tt
 
     import fastkda
-    from fastkda.backends.triton import recurrent
+    from fastkda.backends.triton.plan import tuned
 
     impls = _with_fla({"fastkda": fastkda.fused_recurrent_kda}, "fused_recurrent_kda")
     rows, K = [], 128
@@ -364,7 +365,6 @@ def bench_decode(cases):
         rows.append(row)
     sweep = []
     x, kw, pool, slots = _decode_inputs(256, 32, 32, K)
-    default = recurrent.REC_BV, recurrent.REC_WARPS
 
     def decode(state):
         return fastkda.fused_recurrent_kda(*x, initial_state=state, ssm_state_indices=slots, inplace_final_state=True, **kw)
@@ -376,15 +376,14 @@ def bench_decode(cases):
         pool0 = pool.clone()
         o_base, _ = decode(base)  # the default launch: every other one must give the same numbers
         for bv, warps in DECODE_LAUNCH:
-            recurrent.REC_BV, recurrent.REC_WARPS = bv, warps
-            state = pool0.clone()
-            o, _ = decode(state)
-            err = max(rel_rms(o, o_base), rel_rms(state[slots], base[slots]))
-            ms_g = _graph_ms(lambda: decode(pool))
+            with tuned(decode_bv=bv, decode_warps=warps):
+                state = pool0.clone()
+                o, _ = decode(state)
+                err = max(rel_rms(o, o_base), rel_rms(state[slots], base[slots]))
+                ms_g = _graph_ms(lambda: decode(pool))
             sweep.append({"BV": bv, "warps": warps, "graph_ms": ms_g, "err_vs_default": err})
             print(f"decode N=256 H=32 BV={bv} warps={warps}: graph {ms_g or float('nan'):.4f} ms  "
                   f"(output and states vs the default launch: {err:.1e})", flush=True)
-    recurrent.REC_BV, recurrent.REC_WARPS = default
     return {"rows": rows, "launch_sweep": sweep}
 
 

@@ -1,6 +1,7 @@
 """Test tiers: CPU (default; Triton kernels under TRITON_INTERPRET=1 on CPU tensors) and GPU
 (the same tests at larger shapes, plus tests marked ``gpu``)."""
 
+import contextlib
 import os
 
 import torch
@@ -103,6 +104,24 @@ def _fresh_seed():
     print(f"seed={TEST_SEED}")
     torch.manual_seed(TEST_SEED)
     yield
+
+
+@pytest.fixture
+def tune():
+    """``tune(**fields)``: Triton tuning overrides (``plan.tuned``) until the test ends."""
+    from fastkda.backends.triton.plan import tuned
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(tuned(**changes))
+
+
+@pytest.fixture
+def launch_log():
+    """The Triton launches of the test (``common.recorded_launches``), in order."""
+    from fastkda.backends.triton.common import recorded_launches
+
+    with recorded_launches() as log:
+        yield log
 
 
 @pytest.fixture

@@ -79,50 +79,32 @@ def bounded(case):
     return case.replace(gate=gate, lower_bound=max(case.lower_bound, -5.0))
 
 
-def spy_launches(monkeypatch, module, *names, grids: bool = False, options: tuple[str, ...] = ()) -> list:
-    """Wrap the kernels ``names`` of ``module`` so that every launch appends its kernel's name (with
-    ``grids``, its grid) to the returned list (which path ran, how wide), then launches it as before.
-    With ``options`` (launch keywords such as "num_stages") each entry is (name or grid, {keyword:
-    value})."""
-    launches = []
-    for name in names:
-        kernel = getattr(module, name)
-
-        class Spy:
-            def __getitem__(self, grid, name=name, kernel=kernel):
-                entry = grid if grids else name
-                if not options:
-                    launches.append(entry)
-                    return kernel[grid]
-
-                def launch(*args, **kw):
-                    launches.append((entry, {o: kw.get(o) for o in options}))
-                    return kernel[grid](*args, **kw)
-                return launch
-
-        monkeypatch.setattr(module, name, Spy())
-    return launches
+def launched(log: list, *names: str, grids: bool = False, options: tuple[str, ...] = ()) -> list:
+    """The entries of a ``recorded_launches`` log for the kernels ``names``: each kernel's name (with
+    ``grids``, its grid); with ``options`` (launch keywords such as "num_stages") each entry is (name
+    or grid, {keyword: value})."""
+    out = []
+    for e in log:
+        if e.name in names:
+            entry = e.grid if grids else e.name
+            out.append((entry, {o: e.options.get(o) for o in options}) if options else entry)
+    return out
 
 
-def kept_stage1(monkeypatch) -> list:
-    """Wrap the Triton backend's stage-1 entry (function.fwd_intra) so that every ``Prepared`` it
-    returns is appended to the returned list (which path ran, its chunk flags), returned as before."""
-    from fastkda.backends.triton import function, prepare
+def stage1_of(log: list) -> dict:
+    """The stage-1 tensors of the last chunk forward in a ``recorded_launches`` log: gc, ga, gd,
+    gok (the gates kernel's arguments) and xs, xh (the inverse's)."""
+    gates = [e for e in log if e.name == "kda_fwd_gates_kernel"]
+    inverse = [e for e in log if e.name == "kda_fwd_inverse_kernel"]
+    assert gates and inverse, "no chunk forward ran"
+    return {**{n: gates[-1].args[n] for n in ("gc", "ga", "gd", "gok")},
+            **{n: inverse[-1].args[n] for n in ("xs", "xh")}}
 
-    kept, fwd_intra = [], prepare.fwd_intra
-    monkeypatch.setattr(function, "fwd_intra", lambda *a, **kw: kept.append(fwd_intra(*a, **kw)) or kept[-1])
-    return kept
 
-
-def scan_given_u(monkeypatch) -> list:
-    """Wrap the Triton backend's scan entry (function.fwd_scan) so that every call appends whether
-    stage 1 handed it u (False: the scan forms u itself, scan.U_IN_SCAN) to the returned list."""
-    from fastkda.backends.triton import function
-
-    given, fwd_scan = [], function.fwd_scan
-    monkeypatch.setattr(function, "fwd_scan", lambda opts, p, *a, **kw: given.append(p.u is not None)
-                        or fwd_scan(opts, p, *a, **kw))
-    return given
+def scan_given_u(log: list) -> list:
+    """For every forward scan in a ``recorded_launches`` log, whether stage 1 handed it u (False:
+    the scan formed u itself)."""
+    return [e.args["u"] is not None for e in log if e.name == "kda_fwd_scan_kernel"]
 
 
 def tol_for(dtype: torch.dtype, backend: str = "torch") -> float:
@@ -133,7 +115,7 @@ def finite(t):
     return t is not None and bool(torch.isfinite(t).all())
 
 
-__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "gate_slope", "gate_input_error", "tol_for", "bounded", "plain_options", "spy_launches", "kept_stage1", "scan_given_u", "finite", "forced_gates", "FORMS",
+__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "gate_slope", "gate_input_error", "tol_for", "bounded", "plain_options", "launched", "stage1_of", "scan_given_u", "finite", "forced_gates", "FORMS",
            "math"]
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 from conftest import BACKWARD_BACKENDS, DEVICE, GPU
-from helpers import (AXES, FORMS, OPTION_SPACE, bounded, check, check_grads, forced_gates, grow, kept_stage1,
-                     random_case, scan_given_u, spy_launches, tol_for)
+from helpers import (AXES, FORMS, OPTION_SPACE, bounded, check, check_grads, forced_gates, grow, launched,
+                     plain_options, random_case, scan_given_u, stage1_of, tol_for)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -55,18 +55,15 @@ def test_backward_axis(backend, axis, rng):
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("sms", [2, 1024])
-def test_u_in_scan_training(sms, rng, monkeypatch):
+def test_u_in_scan_training(sms, rng, tune, launch_log):
     """The training forward's scan forms u itself where its programs (4 here) outnumber the SMs (2:
-    as if crowded; scan.U_IN_SCAN "crowded"), the backward's recomputation never (it keeps u for
+    as if crowded; Tuning.u_in_scan "crowded"), the backward's recomputation never (it keeps u for
     the backward's kernels); the gradients right either way."""
-    from fastkda import platform
-
-    monkeypatch.setattr(platform, "sm_count", lambda dev: sms)
-    given_u = scan_given_u(monkeypatch)
+    tune(sm_count=sms)
     case = Case(T=40, H=2, HV=4, K=32, V=32, dtype=torch.bfloat16, gate="safe", l2norm=True, beta_sigmoid=True)
     x, got, want = grads("triton", case, rng)
     check_grads(got, want, x, tol_for(case.dtype, "triton"))
-    assert given_u == [sms != 2, True], given_u  # the training forward, then the recomputation
+    assert scan_given_u(launch_log) == [sms != 2, True], launch_log  # the training forward, then the recomputation
 
 
 RECOMPUTE_CASES = {  # float32 (block path), bfloat16 with a bounded or unbounded gate (whole-chunk path), varlen
@@ -91,13 +88,13 @@ def test_disable_recompute_same_gradients(backend, name, rng):
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("name", ["bf16_whole", "bf16_whole_softplus", "bf16_whole_varlen"])
-def test_bf16_products(name, rng, monkeypatch):
-    """prepare.BF16_PRODUCTS on (the whole-chunk intra kernel's products from bfloat16 operands):
+def test_bf16_products(name, rng, launch_log):
+    """Tuning.bf16_products on (the whole-chunk intra kernel's products from bfloat16 operands):
     the inference output within bfloat16's budget and within twice the error of tf32 products
     (measured 1.1x-1.6x on the CPU tier, whose conversion truncates; 1.2x on an H200, B1 T8192
     H64), every gradient of a training step that runs the kernel against the float64 reference;
     float16 inputs keep tf32 products, float32 inputs full-precision ones."""
-    from fastkda.backends.triton import prepare
+    from fastkda.backends.triton.plan import Device, Tuning, chunk_plan, tuned
 
     case = grow(RECOMPUTE_CASES[name], GPU)
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
@@ -105,18 +102,19 @@ def test_bf16_products(name, rng, monkeypatch):
     o_ref = reference(x)[0]
     errors = []
     for on in (False, True):
-        monkeypatch.setattr(prepare, "BF16_PRODUCTS", on)
-        with use_backend("triton"), torch.no_grad():
+        with use_backend("triton"), torch.no_grad(), tuned(bf16_products=on):
             o = chunk_kda(**x, chunk_size=case.chunk_size)[0]
         check(f"o (BF16_PRODUCTS {on})", o, o_ref, tol_for(case.dtype, "triton"))
         errors.append(rel_rms(o, o_ref))
     assert errors[1] != errors[0], "BF16_PRODUCTS changed nothing"
     assert errors[1] <= 2 * errors[0], f"bfloat16 products: error {errors[1]:.3g} against {errors[0]:.3g} with tf32"
-    assert [prepare._chunk_prec(p, dt) for p, dt in (("tf32", torch.float16), ("ieee", torch.float32))] == [
-        "tf32", "ieee"]
-    launches = spy_launches(monkeypatch, prepare, "kda_fwd_intra_chunk_kernel")
+    opts, _ = plain_options(x)
+    for dt, prec in ((torch.float16, "tf32"), (torch.float32, "ieee")):
+        s1 = chunk_plan(opts, dt, False, 4, Device(132, False), Tuning()).stage1
+        assert s1.intra_prec == prec, (dt, s1.intra_prec)
+    n = len(launched(launch_log, "kda_fwd_intra_chunk_kernel"))
     x, got, want = grads("triton", case, torch.Generator().manual_seed(seed))
-    assert launches, "the training step did not take the whole-chunk path"
+    assert len(launched(launch_log, "kda_fwd_intra_chunk_kernel")) > n, "the training step did not take the whole-chunk path"
     check_grads(got, want, x, tol_for(case.dtype, "triton"))
 
 
@@ -130,27 +128,25 @@ X_CASES = {  # the whole-chunk path (bounded, unbounded gates, varlen), the bloc
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("name", list(X_CASES))
-def test_x_bf16(name, rng, monkeypatch):
-    """prepare.X_BF16: in inference, bfloat16 inputs get X in bfloat16 and bfloat16 w/u products
+def test_x_bf16(name, rng, launch_log):
+    """Tuning.x_bf16: in inference, bfloat16 inputs get X in bfloat16 and bfloat16 w/u products
     (the whole-chunk and the block path; 64-column w/u programs from K = 64); the output within
     bfloat16's budget and within twice the error of float32 X; training keeps X in float32 for
     the backward (its gradients against the float64 reference) and, for bfloat16 inputs, a
-    bfloat16 copy for the w/u kernel (X_BF16_TRAIN), so that its forward output is inference's,
+    bfloat16 copy for the w/u kernel (Tuning.x_bf16_train), so that its forward output is inference's,
     bit for bit; float16 and float32 inputs keep float32 X."""
-    from fastkda.backends.triton import prepare
+    from fastkda.backends.triton.plan import tuned
 
     case = grow(X_CASES[name], GPU)
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     x = make_inputs(case, device=DEVICE, generator=torch.Generator().manual_seed(seed))
     o_ref = reference(x)[0]
-    kept = kept_stage1(monkeypatch)
     errors = []
     for on in (False, True):
-        monkeypatch.setattr(prepare, "X_BF16", on)
-        with use_backend("triton"), torch.no_grad():
+        with use_backend("triton"), torch.no_grad(), tuned(x_bf16=on):
             o = chunk_kda(**x, chunk_size=case.chunk_size)[0]
         low = on and case.dtype == torch.bfloat16
-        assert kept[-1].xs.dtype == (torch.bfloat16 if low else torch.float32)
+        assert stage1_of(launch_log)["xs"].dtype == (torch.bfloat16 if low else torch.float32)
         check(f"o (X_BF16 {on})", o, o_ref, tol_for(case.dtype, "triton"))
         errors.append(rel_rms(o, o_ref))
     if case.dtype == torch.bfloat16:
@@ -161,12 +157,13 @@ def test_x_bf16(name, rng, monkeypatch):
     xt = {**x, "q": x["q"].detach().clone().requires_grad_(True)}
     with use_backend("triton"):
         o_train = chunk_kda(**xt, chunk_size=case.chunk_size)[0].detach()
-    assert kept[-1].xs.dtype == torch.float32, "training took a bfloat16 X"
+    p = stage1_of(launch_log)
+    assert p["xs"].dtype == torch.float32, "training took a bfloat16 X"
     if case.dtype == torch.bfloat16:
-        assert kept[-1].xh is not None and kept[-1].xh.dtype == torch.bfloat16
+        assert p["xh"] is not None and p["xh"].dtype == torch.bfloat16
         assert torch.equal(o_train, o), "the training forward differs from inference"
     else:
-        assert kept[-1].xh is None
+        assert p["xh"] is None
     x, got, want = grads("triton", case, torch.Generator().manual_seed(seed))
     check_grads(got, want, x, tol_for(case.dtype, "triton"))
 
@@ -174,13 +171,10 @@ def test_x_bf16(name, rng, monkeypatch):
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("bv", [32, 64])
 @pytest.mark.parametrize("name", ["bf16_whole_varlen", "softplus_varlen"])
-def test_scan_width_training(name, bv, rng, monkeypatch):
-    """A training step at both forward-scan widths (scan.SCAN_BV, SCAN_BV_NARROW; the backward's
+def test_scan_width_training(name, bv, rng, tune):
+    """A training step at both forward-scan widths (Tuning.scan_bv, scan_bv_narrow; the backward's
     recomputed scan stores h and v' too): gradients against the float64 reference."""
-    from fastkda.backends.triton import scan
-
-    monkeypatch.setattr(scan, "SCAN_BV", bv)
-    monkeypatch.setattr(scan, "SCAN_BV_NARROW", bv)
+    tune(scan_bv=bv, scan_bv_narrow=bv)
     case = grow(RECOMPUTE_CASES[name], GPU).replace(V=64)
     x, got, want = grads("triton", case, rng)
     check_grads(got, want, x, tol_for(case.dtype, "triton"))
@@ -188,21 +182,17 @@ def test_scan_width_training(name, bv, rng, monkeypatch):
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("name", ["bf16_whole_varlen", "softplus_varlen", "f32"])
-def test_scan_crowded_width(name, rng, monkeypatch):
-    """Both state scans at 128 value columns per program (scan.SCAN_BV_CROWDED, off by default,
-    bwd_scan.BWD_SCAN_BV_CROWDED: taken where 64-column programs would outnumber the SMs, here one
+def test_scan_crowded_width(name, rng, tune, launch_log):
+    """Both state scans at 128 value columns per program (Tuning.scan_bv_crowded, off by default,
+    and bwd_scan_bv_crowded: taken where 64-column programs would outnumber the SMs, here one
     as many SMs as heads) with one pipeline stage fewer (8 warps for keys of 128): every gradient of
     a training step against the float64 reference; both launches one program per head."""
-    from fastkda import platform
-    from fastkda.backends.triton import bwd_scan, scan
-
     case = grow(RECOMPUTE_CASES[name], GPU).replace(V=128)
     heads = (len(case.seqlens) if case.seqlens is not None else case.B) * (case.HV or case.H)
-    monkeypatch.setattr(platform, "sm_count", lambda dev: heads)
-    monkeypatch.setattr(scan, "SCAN_BV_CROWDED", 128)  # off by default (scan.py); the option still works
-    fwd = spy_launches(monkeypatch, scan, "kda_fwd_scan_kernel", grids=True, options=("num_warps", "num_stages"))
-    bwd = spy_launches(monkeypatch, bwd_scan, "kda_bwd_scan_kernel", grids=True, options=("num_warps", "num_stages"))
+    tune(sm_count=heads, scan_bv_crowded=128)  # off by default; the option still works
     x, got, want = grads("triton", case, rng)
+    fwd = launched(launch_log, "kda_fwd_scan_kernel", grids=True, options=("num_warps", "num_stages"))
+    bwd = launched(launch_log, "kda_bwd_scan_kernel", grids=True, options=("num_warps", "num_stages"))
     check_grads(got, want, x, tol_for(case.dtype, "triton"))
     fwd_kw = {"num_warps": 8 if case.K > 64 else 4, "num_stages": 2 if case.dtype != torch.float32 else 1}
     bwd_kw = {**fwd_kw, "num_warps": 8}
@@ -214,22 +204,20 @@ def test_scan_crowded_width(name, rng, monkeypatch):
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("name,disable_recompute", [*((n, False) for n in RECOMPUTE_CASES),
                                                      ("bf16_whole", True), ("softplus_varlen", True)])
-def test_triton_recompute_launches(name, disable_recompute, rng, monkeypatch):
+def test_triton_recompute_launches(name, disable_recompute, rng, launch_log):
     """What one training step launches: stage 1's gates, intra and inverse once (the forward keeps
     them); its w/u kernel and the state scan once more in the backward by default, not with
     disable_recompute."""
-    from fastkda.backends.triton import prepare, scan
+    from fastkda.backends.triton.plan import Tuning
 
     stages = ("kda_fwd_gates_kernel", "kda_fwd_intra_kernel", "kda_fwd_intra_chunk_kernel", "kda_fwd_inverse_kernel",
               "kda_fwd_wu_kernel")
-    stage1 = spy_launches(monkeypatch, prepare, *stages)
-    scans = spy_launches(monkeypatch, scan, "kda_fwd_scan_kernel")
     case = grow(RECOMPUTE_CASES[name], GPU)
     backend_grads("triton", case, rng, disable_recompute=disable_recompute)
-    launches = stage1 + scans
+    launches = launched(launch_log, *stages, "kda_fwd_scan_kernel")
     again = 1 if disable_recompute else 2
-    intra = 2 if name == "bf16_whole_softplus" else 1  # prepare.ANY_SPLIT: a pair for unbounded gates
-    assert prepare.ANY_SPLIT, "the default splits the whole-chunk launches of unbounded gates"
+    intra = 2 if name == "bf16_whole_softplus" else 1  # Tuning.split_unbounded: a pair for unbounded gates
+    assert Tuning().split_unbounded, "the default splits the whole-chunk launches of unbounded gates"
     want = {"kda_fwd_gates_kernel": 1, "intra": intra, "kda_fwd_inverse_kernel": 1, "kda_fwd_wu_kernel": again,
             "kda_fwd_scan_kernel": again}
     got = {n: sum(1 for m in launches if m == n or (n == "intra" and "intra" in m)) for n in want}
@@ -307,17 +295,15 @@ def test_backward_widest_heads(backend, dtype, rng):
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("axis,dtype,exact", [("extreme_safe", torch.bfloat16, None), ("extreme_lowerbound", torch.float16, None),
                                               ("safe_lb-5", torch.bfloat16, True), ("safe_lb-5", torch.float32, False)])
-def test_triton_pair_sums(axis, dtype, exact, rng, monkeypatch):
-    """The two ways the gate-gradient kernel sums a block's pair terms (bwd_chunk.EXACT_PAIRS): the
+def test_triton_pair_sums(axis, dtype, exact, rng, tune):
+    """The two ways the gate-gradient kernel sums a block's pair terms (Tuning.exact_pairs): the
     cheaper one (16-bit inputs by default; bfloat16 with a bounded gate: the whole-chunk kernel's)
     at extreme gates, the exact one for 16-bit inputs too, and the cheaper one for float32 inputs
     within the 16-bit budget."""
-    from fastkda.backends.triton import bwd_chunk
-
-    monkeypatch.setattr(bwd_chunk, "EXACT_PAIRS", exact)
+    tune(exact_pairs=exact)
     case = grow(BWD_AXES[axis].replace(dtype=dtype), GPU)
     x, got, want = grads("triton", case, rng)
-    # float32 with the cheaper sum: up to 2e-4 of dg at extreme gates (bwd_chunk.EXACT_PAIRS), float16's budget
+    # float32 with the cheaper sum: up to 2e-4 of dg at extreme gates (Tuning.exact_pairs), float16's budget
     check_grads(got, want, x, tol_for(torch.float16 if dtype == torch.float32 else dtype, "triton"))
 
 
@@ -331,20 +317,17 @@ WHOLE_BWD_EXTRA = {  # feature widths that are not powers of two, the widest key
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("axis", [*BWD_AXES, *WHOLE_BWD_EXTRA])
-def test_whole_chunk_backward(axis, rng, monkeypatch):
+def test_whole_chunk_backward(axis, rng, tune, launch_log):
     """Bounded gates on every axis: the backward after the whole-chunk stage 1, its gate kernel
     summing every pair of a chunk from row and column sums (docs/math.md section 5). bfloat16
     inputs take it by default and keep their budget; float16 and float32 inputs (the block path by
     default) are forced through it and held to their own (tf32x3 and ieee products)."""
-    from fastkda.backends.triton import bwd_chunk
-
     case = bounded(grow(BWD_AXES[axis], GPU) if axis in BWD_AXES else WHOLE_BWD_EXTRA[axis])
     if case.dtype != torch.bfloat16:
-        monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", True)
-    # proves which gate kernel ran
-    launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_block_kernel", "kda_bwd_dg_kernel",
-                            "kda_bwd_gate_kernel")
+        tune(whole_backward=True)
     x, got, want = grads("triton", case, rng)
+    # proves which gate kernel ran
+    launches = launched(launch_log, "kda_bwd_gate_block_kernel", "kda_bwd_dg_kernel", "kda_bwd_gate_kernel")
     if any(t > 0 for t in (case.seqlens or (case.T,))):
         assert launches == ["kda_bwd_gate_block_kernel", "kda_bwd_dg_kernel"], launches
     check_grads(got, want, x, tol_for(case.dtype, "triton"))
@@ -367,29 +350,26 @@ WHOLE_ANY_BWD = {  # unbounded gates in training: (case, raw gates chunk by chun
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("split", [False, True], ids=["one_launch", "split"])
 @pytest.mark.parametrize("axis", list(WHOLE_ANY_BWD))
-def test_whole_chunk_backward_any_gate(axis, split, rng, monkeypatch):
+def test_whole_chunk_backward_any_gate(axis, split, rng, tune, launch_log):
     """Unbounded gates in training take the whole-chunk path end to end (bfloat16 by default; float32
     forced, with its exact products): exact cumulative sums and, chunk by chunk, the middle anchor
     or the half-segment levels on the diagonal blocks in the forward and in the gate-gradient
     kernel. Every gradient against autograd through the float64 reference. ``split``:
-    prepare.ANY_SPLIT (16-bit inputs: the plain chunks in launches of their own)."""
-    from fastkda.backends.triton import bwd_chunk, prepare
-
-    monkeypatch.setattr(prepare, "ANY_SPLIT", split)
+    Tuning.split_unbounded (16-bit inputs: the plain chunks in launches of their own)."""
+    tune(split_unbounded=split)
     base, layout = WHOLE_ANY_BWD[axis]
     case = grow(base, GPU)
     if case.dtype != torch.bfloat16:
-        monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", True)
-    launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_block_kernel", "kda_bwd_dg_kernel",
-                            "kda_bwd_gate_kernel")
-    kept = kept_stage1(monkeypatch)
+        tune(whole_backward=True)
     x, got, want = grads("triton", case, rng, layout=layout)
-    # the block kernel once per launch of the split pair (prepare.split_launches), then one dg pass
+    launches = launched(launch_log, "kda_bwd_gate_block_kernel", "kda_bwd_dg_kernel", "kda_bwd_gate_kernel")
+    # the block kernel once per launch of the split pair (the plan's passes), then one dg pass
     blocks = ["kda_bwd_gate_block_kernel"] * (2 if split and case.dtype != torch.float32 else 1)
     assert launches == [*blocks, "kda_bwd_dg_kernel"], launches
     if layout:  # both diagonal forms where the layout asks for them (1: middle anchor, 0: levels)
         forms = {FORMS[kind] for kind in layout}
-        assert forms <= {v & 1 for v in kept[0].gok.flatten().tolist()}, (forms, kept[0].gok)
+        gok = stage1_of(launch_log)["gok"]
+        assert forms <= {v & 1 for v in gok.flatten().tolist()}, (forms, gok)
     check_grads(got, want, x, tol_for(case.dtype, "triton"))
     if case.dtype == torch.float32:  # exact products and exponents: ~2e-7 (float32 differences of the sums: ~5e-6)
         for name in ("q", "k"):
@@ -398,23 +378,20 @@ def test_whole_chunk_backward_any_gate(axis, split, rng, monkeypatch):
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("chunk_size", [32, 64])
-def test_whole_chunk_gradients_mirrored(chunk_size, rng, monkeypatch):
+def test_whole_chunk_gradients_mirrored(chunk_size, rng):
     """The whole-chunk gate kernel reads dAqk and dAkk transposed from their upper triangles: at its
     launch, above the diagonal, each [C, C] matrix is exactly the transpose of its part below (every
     entry written: the buffers start as NaN), and dAkk's diagonal is zero."""
-    from fastkda.backends.triton import bwd_chunk
+    from fastkda.backends.triton.common import recorded_launches
 
-    kernel, seen = bwd_chunk.kda_bwd_gate_block_kernel, []
+    seen = []
 
-    class Capture:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append((args[9].clone(), args[10].clone()))  # s_dA, s_dL before the kernel runs
-                return kernel[grid](*args, **kw)
-            return launch
+    def capture(e):  # s_dA, s_dL before the kernel runs
+        if e.name == "kda_bwd_gate_block_kernel":
+            seen.append((e.args["s_dA"].clone(), e.args["s_dL"].clone()))
 
-    monkeypatch.setattr(bwd_chunk, "kda_bwd_gate_block_kernel", Capture())
-    grads("triton", grow(Case(T=90, gate="safe", dtype=torch.bfloat16, chunk_size=chunk_size), GPU), rng)
+    with recorded_launches(before=capture):
+        grads("triton", grow(Case(T=90, gate="safe", dtype=torch.bfloat16, chunk_size=chunk_size), GPU), rng)
     (s_dA, s_dL), = seen
     for name, M in (("dAqk", s_dA), ("dAkk", s_dL)):
         assert M.shape[-2:] == (chunk_size, chunk_size)
@@ -426,15 +403,13 @@ def test_whole_chunk_gradients_mirrored(chunk_size, rng, monkeypatch):
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("dtype,exact,whole", [(torch.bfloat16, None, True), (torch.bfloat16, True, False),
                                                (torch.float16, None, False), (torch.float32, None, False)])
-def test_whole_chunk_backward_choice(dtype, exact, whole, rng, monkeypatch):
+def test_whole_chunk_backward_choice(dtype, exact, whole, rng, tune, launch_log):
     """Which gate kernel a bounded gate's backward takes by default: the whole-chunk one for
-    bfloat16 only (EXACT_PAIRS=True keeps the block path); the gradients hold either way."""
-    from fastkda.backends.triton import bwd_chunk
-
-    monkeypatch.setattr(bwd_chunk, "EXACT_PAIRS", exact)
-    launches = spy_launches(monkeypatch, bwd_chunk, "kda_bwd_gate_block_kernel", "kda_bwd_gate_kernel")
+    bfloat16 only (Tuning.exact_pairs=True keeps the block path); the gradients hold either way."""
+    tune(exact_pairs=exact)
     case = grow(Case(T=70, gate="safe", dtype=dtype, l2norm=True), GPU)
     x, got, want = grads("triton", case, rng)
+    launches = launched(launch_log, "kda_bwd_gate_block_kernel", "kda_bwd_gate_kernel")
     assert launches == ["kda_bwd_gate_block_kernel" if whole else "kda_bwd_gate_kernel"], launches
     check_grads(got, want, x, tol_for(dtype, "triton"))
 
@@ -507,7 +482,7 @@ def test_triton_backward_long_bf16(gate):
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 def test_exclusive_cumsum_keeps_small_prefixes(rng):
-    """common.exclusive_cumsum (the kd terms of the whole-chunk gate gradient): sum_{s < t} x_s with
+    """tiles.exclusive_cumsum (the kd terms of the whole-chunk gate gradient): sum_{s < t} x_s with
     every term added once, so a small prefix before a large term survives, where an inclusive sum
     minus the term would return 0 in float32."""
     from triton_probes import exclusive_cumsum_kernel

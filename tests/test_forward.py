@@ -1,19 +1,17 @@
 """chunk_kda forward on every backend, every axis of SPEC section 6, against the float64
 per-token reference."""
 
-import dataclasses
 import math
 
 import pytest
 import torch
 from conftest import BACKENDS, DEVICE, GPU
-from helpers import (AXES, OPTION_SPACE, bounded, check, forced_gates, grow, kept_stage1, plain_options, random_case,
-                     scan_given_u, spy_launches, tol_for)
+from helpers import (AXES, OPTION_SPACE, bounded, check, forced_gates, grow, launched, random_case,
+                     scan_given_u, stage1_of, tol_for)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastkda import chunk_kda, use_backend
-from fastkda.options import GateMode
 from fastkda.testing import Case, make_inputs, reference
 
 
@@ -137,22 +135,19 @@ WHOLE_EXTRA = {  # feature widths that are not powers of two, the widest keys; k
 
 
 @pytest.mark.parametrize("axis", [*AXES, *WHOLE_EXTRA])
-def test_whole_chunk_path(axis, rng, monkeypatch):
+def test_whole_chunk_path(axis, rng, tune, launch_log):
     """Bounded gates: the Triton forward's whole-chunk path (docs/math.md section 3) on every
     axis, against the reference, and the block path (which the training forward takes for the
     backward to read, except for bfloat16; forced here) on the same inputs."""
-    from fastkda.backends.triton import bwd_chunk, prepare
-
-    monkeypatch.setattr(bwd_chunk, "WHOLE_BACKWARD", False)  # the training forward below: the block path
+    tune(whole_backward=False)  # the training forward below: the block path
     case = bounded(grow(AXES[axis], GPU) if axis in AXES else WHOLE_EXTRA[axis])
-    launches = spy_launches(monkeypatch, prepare, "kda_fwd_intra_chunk_kernel")  # proves which path ran
     x = make_inputs(case, device=DEVICE, generator=rng)
     with use_backend("triton"):
         o, s = chunk_kda(**x, chunk_size=case.chunk_size)
-        assert len(launches) == 1, "the whole-chunk path did not run"
+        assert len(launched(launch_log, "kda_fwd_intra_chunk_kernel")) == 1, "the whole-chunk path did not run"
         xb = {**x, "q": x["q"].detach().clone().requires_grad_(True)}
         o_b, s_b = chunk_kda(**xb, chunk_size=case.chunk_size, disable_recompute=True)
-        assert len(launches) == 1, "the block path launched the whole-chunk kernel"
+        assert len(launched(launch_log, "kda_fwd_intra_chunk_kernel")) == 1, "the block path launched the whole-chunk kernel"
     o_ref, s_ref = reference(x)
     tol = tol_for(case.dtype, "triton")
     check("o (whole-chunk path)", o, o_ref, tol)
@@ -162,106 +157,23 @@ def test_whole_chunk_path(axis, rng, monkeypatch):
         check("final_state (block path)", s_b.detach(), s_ref, tol)
 
 
-@pytest.mark.parametrize("B,T,H,split", [(1, 32768, 16, True), (1, 8192, 64, False), (2, 8192, 64, False),
-                                         (1, 2048, 4, False)])
-def test_split_output_default_choice(B, T, H, split):
-    """Where o leaves the scan by default (scan.SPLIT_MIN_CHUNKS, SPLIT_MAX_PROGRAMS): long sequences
-    over few scan programs only. Shapes only: meta tensors."""
-    from fastkda.backends.triton import scan
-
-    t = torch.empty(B, T, H, 128, device="meta", dtype=torch.bfloat16)
-    opts, _ = plain_options(dict(q=t, k=t, v=t, g=t, beta=t[..., 0]))
-    assert scan._split(opts, B * -(-T // 64)) is split
-
-
-@pytest.mark.parametrize("B,T,H,HV,bv,stages,stages32", [
-    (1, 32768, 16, 16, 32, 3, 2), (1, 8192, 32, 32, 32, 3, 2), (1, 8192, 64, 64, 64, 3, 2),
-    (2, 8192, 32, 32, 64, 3, 2), (1, 2048, 96, 96, 64, 1, 1), (2, 1024, 64, 64, 64, 1, 1),
-    (1, 1024, 66, 66, 64, 3, 2), (1, 1024, 67, 67, 64, 1, 1),
-    (1, 1024, 33, 33, 32, 3, 2), (1, 1024, 34, 34, 64, 3, 2), (1, 1024, 2, 64, 64, 3, 2), (1, 1024, 8, 32, 32, 3, 2)])
-def test_scan_width_default_choice(B, T, H, HV, bv, stages, stages32, monkeypatch):
-    """The scan's value columns per program (scan.SCAN_BV, SCAN_BV_NARROW): narrow while wide
-    programs (sequences x value heads x V / 64) would fill at most half the SMs (an H200's 132 where
-    the device does not say: 66 programs narrow, 68 wide), following the SM count; keys wider than
-    128 keep 64 columns. Its pipeline stages: SCAN_STAGES_CROWDED (1) once the programs outnumber
-    the SMs (132 programs 3 stages, 134 one), at most 2 for float32 inputs. With SCAN_BV_CROWDED
-    (off by default) 128 columns where 64-column programs would outnumber the SMs, one stage fewer
-    (one for float32). Shapes only: meta tensors."""
-    from fastkda import platform
-    from fastkda.backends.triton import scan
-
-    t = torch.empty(B, T, H, 128, device="meta", dtype=torch.bfloat16)
-    tv = torch.empty(B, T, HV, 128, device="meta", dtype=torch.bfloat16)
-    opts, _ = plain_options(dict(q=t, k=t, v=tv, g=tv, beta=tv[..., 0]))
-    cpu = torch.device("cpu")
-    assert platform.sm_count(cpu) == 132
-    assert scan._scan_bv(opts, cpu) == bv
-    assert scan._scan_stages(opts, bv, 128, t, cpu) == stages
-    assert scan._scan_stages(opts, bv, 128, t.float(), cpu) == stages32
-    monkeypatch.setattr(platform, "sm_count", lambda dev: 4 * 132)  # four times the SMs: wide programs now too few
-    assert scan._scan_bv(opts, cpu) == (32 if B * HV * 2 <= 264 else 64)
-    assert scan._scan_stages(opts, bv, 128, t, cpu) == 3
-    monkeypatch.undo()
-    monkeypatch.setattr(scan, "SCAN_BV_CROWDED", 128)
-    if B * HV * 2 > 132:
-        assert scan._scan_bv(opts, cpu) == 128
-        crowded = B * HV > 132
-        assert scan._scan_stages(opts, 128, 128, t, cpu) == (1 if crowded else 2)
-        assert scan._scan_stages(opts, 128, 128, t.float(), cpu) == 1
-    else:
-        assert scan._scan_bv(opts, cpu) == bv
-    monkeypatch.undo()
-    wide = torch.empty(B, T, H, 256, device="meta", dtype=torch.bfloat16)
-    opts, _ = plain_options(dict(q=wide, k=wide, v=tv, g=torch.empty(B, T, HV, 256, device="meta"), beta=tv[..., 0]))
-    assert scan._scan_bv(opts, cpu) == 64
-
-
-@pytest.mark.parametrize("crowded", [None, 128])
-@pytest.mark.parametrize("sms", [8, 132, 528])
-def test_scan_narrow_never_crowded(sms, crowded, monkeypatch):
-    """32-column scan programs always keep the pipelined loop: _scan_bv picks them only where they
-    number at most the SMs, so _scan_stages never gives them SCAN_STAGES_CROWDED (forced, 32
-    columns at one stage faulted on an H200: scan.py); 128-column ones only where 64-column ones
-    would outnumber the SMs. Every value-head count until 64-column programs number about 4x the
-    SMs."""
-    from fastkda import platform
-    from fastkda.backends.triton import scan
-
-    monkeypatch.setattr(platform, "sm_count", lambda dev: sms)
-    monkeypatch.setattr(scan, "SCAN_BV_CROWDED", crowded)
-    cpu = torch.device("cpu")
-    seen = set()
-    for hv in range(1, 2 * sms + 2):
-        t = torch.empty(1, 64, 1, 128, device="meta", dtype=torch.bfloat16)
-        tv = torch.empty(1, 64, hv, 128, device="meta", dtype=torch.bfloat16)
-        opts, _ = plain_options(dict(q=t, k=t, v=tv, g=tv, beta=tv[..., 0]))
-        bv = scan._scan_bv(opts, cpu)
-        seen.add(bv)
-        if bv == scan.SCAN_BV_NARROW:
-            assert scan._programs(opts, bv) <= sms, hv
-            assert scan._scan_stages(opts, bv, 128, t, cpu) == scan.SCAN_STAGES, hv
-        assert (bv == 128) == (crowded is not None and scan._programs(opts, scan.SCAN_BV) > sms), hv
-    assert seen == ({32, 64} if crowded is None else {32, 64, 128})
-
-
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("sms", [2, 1024])
-def test_scan_stages_launch(sms, rng, monkeypatch):
-    """The forward scan launches with _scan_stages's choice: one stage once its programs (4 here)
-    outnumber the SMs (2: as if crowded), SCAN_STAGES otherwise; the output right either way."""
-    from fastkda import platform
-    from fastkda.backends.triton import scan
+def test_scan_stages_launch(sms, rng, tune, launch_log):
+    """The forward scan launches with the plan's stages: one once its programs (4 here) outnumber
+    the SMs (2: as if crowded), scan_stages otherwise; the output right either way."""
+    from fastkda.backends.triton.plan import Tuning
 
-    monkeypatch.setattr(platform, "sm_count", lambda dev: sms)
-    launches = spy_launches(monkeypatch, scan, "kda_fwd_scan_kernel", options=("num_stages",))
+    tune(sm_count=sms)
     case = Case(T=40, H=2, HV=4, K=32, V=32, dtype=torch.bfloat16, gate="safe", l2norm=True)
     x, o, s, _ = run_forward("triton", case, rng)
     o_ref, s_ref = reference(x, chunked=True, chunk_size=case.chunk_size)
     tol = tol_for(case.dtype, "triton")
     check("o", o, o_ref, tol)
     check("final_state", s, s_ref, tol)
-    stages = scan.SCAN_STAGES_CROWDED if sms == 2 else scan.SCAN_STAGES
-    assert launches == [("kda_fwd_scan_kernel", {"num_stages": stages})], launches
+    stages = Tuning().scan_stages_crowded if sms == 2 else Tuning().scan_stages
+    got = launched(launch_log, "kda_fwd_scan_kernel", options=("num_stages",))
+    assert got == [("kda_fwd_scan_kernel", {"num_stages": stages})], got
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
@@ -278,16 +190,12 @@ def test_seq_grid_one_dimension():
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("bv", [16, 32, 64])
 @pytest.mark.parametrize("axis", ["varlen", "k_ne_v", "state_v_first", "bf16"])
-def test_scan_width(axis, bv, rng, monkeypatch):
+def test_scan_width(axis, bv, rng, tune, launch_log):
     """The Triton forward at every scan width (value columns per program: V / bv programs per head,
     V = 64 on the CPU tier, 64 or 128 on the GPU tier) gives the reference's output and final
     state, and with return_intermediate_states the states at chunk starts; the launch took that
     width."""
-    from fastkda.backends.triton import scan
-
-    monkeypatch.setattr(scan, "SCAN_BV", bv)
-    monkeypatch.setattr(scan, "SCAN_BV_NARROW", bv)
-    grids = spy_launches(monkeypatch, scan, "kda_fwd_scan_kernel", grids=True)  # (V / bv x sequences x value heads,)
+    tune(scan_bv=bv, scan_bv_narrow=bv)
     case = grow(AXES[axis], GPU)
     case = case.replace(V=64 if case.V == 32 else case.V)
     x, o, s, _ = run_forward("triton", case, rng)
@@ -301,6 +209,7 @@ def test_scan_width(axis, bv, rng, monkeypatch):
     check("o (with h)", o, o_ref, tol)
     check("h", h, h_ref, tol)
     pairs = (len(case.seqlens) if case.seqlens is not None else case.B) * case.HV  # (sequence, value head) pairs
+    grids = launched(launch_log, "kda_fwd_scan_kernel", grids=True)  # (V / bv x sequences x value heads,)
     assert grids and all(g == (-(-case.V // bv) * pairs,) for g in grids), grids  # common.seq_grid
 
 
@@ -308,26 +217,25 @@ def test_scan_width(axis, bv, rng, monkeypatch):
 @pytest.mark.parametrize("u_in", [True, False])
 @pytest.mark.parametrize("axis", ["varlen", "gva", "k_ne_v", "k64_v16", "beta_sigmoid", "neg_eigval", "softplus",
                                   "bf16", "fp16", "chunk32_varlen_safe", "t_chunk_plus_one"])
-def test_u_in_scan(axis, u_in, rng, monkeypatch):
-    """The scan forming u = X (beta v) itself (scan.U_IN_SCAN) and the w/u kernel writing it give the
-    reference's output and final state; with the option on the w/u kernel launches for w's slices
-    alone and hands the scan no u (except for float16 inputs, which always keep it)."""
-    from fastkda.backends.triton import prepare, scan
-    from fastkda.backends.triton.common import pow2
+def test_u_in_scan(axis, u_in, rng, tune, launch_log):
+    """The scan forming u = X (beta v) itself (Tuning.u_in_scan) and the w/u kernel writing it give
+    the reference's output and final state; with the option on the w/u kernel launches for w's
+    slices alone and hands the scan no u (except for float16 inputs, which always keep it)."""
+    from fastkda.backends.triton.plan import Tuning, pow2
 
-    monkeypatch.setattr(scan, "U_IN_SCAN", u_in)
-    grids = spy_launches(monkeypatch, prepare, "kda_fwd_wu_kernel", grids=True)
-    given_u = scan_given_u(monkeypatch)
+    tune(u_in_scan=u_in)
     case = grow(AXES[axis], GPU)
     checked_forward(case, rng)
-    u_in = u_in and case.dtype != torch.float16  # float32 X, 16-bit inputs: scan.u_in_scan
-    assert given_u == [not u_in], given_u
-    bs = prepare.WU_SLICE_X16 if case.dtype == torch.bfloat16 and prepare.X_BF16 else prepare.WU_SLICE
+    u_in = u_in and case.dtype != torch.float16  # float32 X, 16-bit inputs: the plan keeps u out of the scan
+    assert scan_given_u(launch_log) == [not u_in], launch_log
+    t = Tuning()
+    bs = t.wu_slice_x16 if case.dtype == torch.bfloat16 and t.x_bf16 else t.wu_slice
     bs = min(bs, pow2(case.K), pow2(case.V))
     slices = -(-case.K // bs) + (0 if u_in else -(-case.V // bs))
     lengths = case.seqlens or [case.T] * case.B
     chunks = sum(-(-n // case.chunk_size) for n in lengths)
-    n_heads = case.HV if prepare.HEADS_FIRST else 1  # (HV * parts,) or (parts, HV): common.chunk_grid
+    n_heads = case.HV if t.heads_first else 1  # (HV * parts,) or (parts, HV): common.chunk_grid
+    grids = launched(launch_log, "kda_fwd_wu_kernel", grids=True)
     assert [g[0] for g in grids] == [chunks * slices * n_heads], (grids, chunks, slices)
 
 
@@ -335,18 +243,16 @@ def test_u_in_scan(axis, u_in, rng, monkeypatch):
 @pytest.mark.parametrize("heads_first", [True, False])
 @pytest.mark.parametrize("axis", ["varlen", "gva", "k_ne_v", "chunk32_varlen_safe", "softplus", "pregated_safe", "bf16",
                                   "t_short"])
-def test_stage1_launch_order(axis, heads_first, rng, monkeypatch):
-    """Stage 1 launched value heads first (prepare.HEADS_FIRST: one grid dimension, HV x parts) or
+def test_stage1_launch_order(axis, heads_first, rng, tune, launch_log):
+    """Stage 1 launched value heads first (Tuning.heads_first: one grid dimension, HV x parts) or
     chunks first (grid (parts, HV)) gives the reference's output and final state; every stage-1
     grid has the form asked."""
-    from fastkda.backends.triton import prepare
-
-    monkeypatch.setattr(prepare, "HEADS_FIRST", heads_first)
+    tune(heads_first=heads_first)
     names = ("kda_fwd_gates_kernel", "kda_fwd_intra_chunk_kernel", "kda_fwd_intra_kernel", "kda_fwd_inverse_kernel",
              "kda_fwd_wu_kernel")
-    grids = spy_launches(monkeypatch, prepare, *names, grids=True)
     case = grow(AXES[axis], GPU)
     checked_forward(case, rng)
+    grids = launched(launch_log, *names, grids=True)
     assert len(grids) >= 4, grids
     if heads_first:
         assert all(len(g) == 1 and g[0] % case.HV == 0 for g in grids), (grids, case.HV)
@@ -356,52 +262,42 @@ def test_stage1_launch_order(axis, heads_first, rng, monkeypatch):
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("x_bf16", [True, False])
-def test_u_in_scan_needs_16bit_x(x_bf16, rng, monkeypatch):
-    """bfloat16 inputs have the scan form u only with X in bfloat16 (prepare.X_BF16): with float32
-    X the w/u kernel keeps u (scan.u_in_scan); the output right either way."""
-    from fastkda.backends.triton import prepare, scan
-
-    monkeypatch.setattr(scan, "U_IN_SCAN", True)
-    monkeypatch.setattr(prepare, "X_BF16", x_bf16)
-    given_u = scan_given_u(monkeypatch)
+def test_u_in_scan_needs_16bit_x(x_bf16, rng, tune, launch_log):
+    """bfloat16 inputs have the scan form u only with X in bfloat16 (Tuning.x_bf16): with float32
+    X the w/u kernel keeps u (the plan's form_u); the output right either way."""
+    tune(u_in_scan=True, x_bf16=x_bf16)
     checked_forward(grow(AXES["bf16"], GPU), rng)
-    assert given_u == [not x_bf16], given_u
+    assert scan_given_u(launch_log) == [not x_bf16], launch_log
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("sms", [2, 1024])
-def test_u_in_scan_default_choice(sms, rng, monkeypatch):
-    """By default (U_IN_SCAN "crowded") the scan forms u itself where its programs (4 here)
+def test_u_in_scan_default_choice(sms, rng, tune, launch_log):
+    """By default (Tuning.u_in_scan "crowded") the scan forms u itself where its programs (4 here)
     outnumber the SMs (2: as if crowded); the output right either way (training:
     test_backward.py::test_u_in_scan_training)."""
-    from fastkda import platform
-    from fastkda.backends.triton import scan
+    from fastkda.backends.triton.plan import Tuning
 
-    assert scan.U_IN_SCAN == "crowded"
-    monkeypatch.setattr(platform, "sm_count", lambda dev: sms)
-    given_u = scan_given_u(monkeypatch)
+    assert Tuning().u_in_scan == "crowded"
+    tune(sm_count=sms)
     case = Case(T=40, H=2, HV=4, K=32, V=32, dtype=torch.bfloat16, gate="safe", l2norm=True)
     x, o, s, _ = run_forward("triton", case, rng)
     o_ref, s_ref = reference(x)
     tol = tol_for(case.dtype, "triton")
     check("o", o, o_ref, tol)
     check("final_state", s, s_ref, tol)
-    assert given_u == [sms != 2], given_u
+    assert scan_given_u(launch_log) == [sms != 2], launch_log
 
 
 @pytest.mark.parametrize("axis", ["dense", "varlen", "gva", "k_ne_v", "state_v_first", "chunk32", "bf16", "no_states",
                                   "t_short", "chunk32_varlen_safe"])
-def test_split_output(axis, rng, monkeypatch):
+def test_split_output(axis, rng, tune, launch_log):
     """The Triton scan handing o to the chunk-parallel output kernel (long sequences) gives the
     reference's output and final state."""
-    from fastkda.backends.triton import scan
-
-    monkeypatch.setattr(scan, "SPLIT_MIN_CHUNKS", 1)
-    monkeypatch.setattr(scan, "SPLIT_MAX_PROGRAMS", 1 << 30)
-    launches = spy_launches(monkeypatch, scan, "kda_fwd_output_kernel")
+    tune(split_min_chunks=1, split_max_programs=1 << 30)
     case = grow(AXES[axis], GPU)
     x, o, s, _ = run_forward("triton", case, rng)
-    assert launches, "the output kernel did not run"
+    assert launched(launch_log, "kda_fwd_output_kernel"), "the output kernel did not run"
     o_ref, s_ref = reference(x)
     tol = tol_for(case.dtype, "triton")
     check("o", o, o_ref, tol)
@@ -426,32 +322,31 @@ ANY_GATE = {  # unbounded gates (inference): (case, raw gates chunk by chunk, cy
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("split", [False, True], ids=["one_launch", "split"])
 @pytest.mark.parametrize("axis", list(ANY_GATE))
-def test_whole_chunk_any_gate(axis, split, rng, monkeypatch):
+def test_whole_chunk_any_gate(axis, split, rng, tune, launch_log):
     """Unbounded gates in inference take the whole-chunk path too: cumulative sums kept exactly
     (float32 plus their rounding errors) and, chunk by chunk, the middle anchor or the half-segment
     levels on the diagonal blocks (docs/math.md section 3). Against the reference (float32 inputs:
     at float32's precision, which differences of plain float32 sums miss at these gates), and the
-    block path (prepare.WHOLE_ANY off) on the same inputs. ``split``: prepare.ANY_SPLIT (16-bit
-    inputs: the plain chunks in a launch of their own)."""
-    from fastkda.backends.triton import prepare
+    block path (Tuning.whole_unbounded off) on the same inputs. ``split``: Tuning.split_unbounded
+    (16-bit inputs: the plain chunks in a launch of their own)."""
+    from fastkda.backends.triton.plan import tuned
 
-    monkeypatch.setattr(prepare, "ANY_SPLIT", split)
-    launches = spy_launches(monkeypatch, prepare, "kda_fwd_intra_chunk_kernel")
+    tune(split_unbounded=split)
     base, layout = ANY_GATE[axis]
     case = grow(base, GPU)
     x = make_inputs(case, device=DEVICE, generator=rng)
     forms = forced_gates(x, case.chunk_size, layout) if layout else set()
-    kept = kept_stage1(monkeypatch)
     with use_backend("triton"), torch.no_grad():
         o, s = chunk_kda(**x, chunk_size=case.chunk_size)
-        p = kept[-1]
-        assert p.ga is None and p.gd is not None, "the whole-chunk path for unbounded gates did not run"
-        assert len(launches) == (2 if split and case.dtype != torch.float32 else 1), launches
-        seen = {v & 1 for v in p.gok.flatten().tolist()}
+        p = stage1_of(launch_log)
+        assert p["ga"] is None and p["gd"] is not None, "the whole-chunk path for unbounded gates did not run"
+        intra = launched(launch_log, "kda_fwd_intra_chunk_kernel")
+        assert len(intra) == (2 if split and case.dtype != torch.float32 else 1), intra
+        seen = {v & 1 for v in p["gok"].flatten().tolist()}
         assert forms <= seen, f"diagonal forms {seen}, expected {forms} among them (1: middle anchor, 0: levels)"
-        monkeypatch.setattr(prepare, "WHOLE_ANY", False)
-        o_b, s_b = chunk_kda(**x, chunk_size=case.chunk_size)
-        assert kept[-1].ga is not None, "the block path did not run"
+        with tuned(whole_unbounded=False):
+            o_b, s_b = chunk_kda(**x, chunk_size=case.chunk_size)
+        assert stage1_of(launch_log)["ga"] is not None, "the block path did not run"
     o_ref, s_ref = reference(x)
     tol = tol_for(case.dtype, "triton")
     exact = 1e-6 if case.dtype == torch.float32 else tol  # float32 products, exact exponents: ~1e-7
@@ -464,24 +359,22 @@ def test_whole_chunk_any_gate(axis, split, rng, monkeypatch):
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
-def test_gates_slice_width(gate, rng, monkeypatch):
-    """The gates kernel's slice width (prepare.GATES_SLICE_WHOLE on the whole-chunk path) only groups its
+def test_gates_slice_width(gate, rng, launch_log):
+    """The gates kernel's slice width (Tuning.gates_slice_whole on the whole-chunk path) only groups its
     feature columns, each summed on its own: 16 and 32 columns both match the reference and each
     other bit for bit on the CPU tier, within 5e-6 on the GPU tier (the whole-chunk path, float32;
     K = 64 on the CPU tier, 128 on the GPU tier)."""
-    from fastkda.backends.triton import prepare
+    from fastkda.backends.triton.plan import tuned
 
     case = Case(T=100, K=64, V=32, gate=gate, l2norm=True, dtype=torch.float32, A_log_range=(0.0, 2.0))
     x = make_inputs(grow(case, GPU), device=DEVICE, generator=rng)
     o_ref, s_ref = reference(x)
-    monkeypatch.setattr(prepare, "WHOLE_ANY", True)
-    kept = kept_stage1(monkeypatch)
     outs = []
     for width in (32, 16):
-        monkeypatch.setattr(prepare, "GATES_SLICE_WHOLE", width)
-        with use_backend("triton"), torch.no_grad():
+        with use_backend("triton"), torch.no_grad(), tuned(whole_unbounded=True, gates_slice_whole=width):
             o, s = chunk_kda(**x)
-        assert kept[-1].ga is None and (kept[-1].gd is not None) == (gate == "softplus"), "not the whole-chunk path"
+        p = stage1_of(launch_log)
+        assert p["ga"] is None and (p["gd"] is not None) == (gate == "softplus"), "not the whole-chunk path"
         check(f"o ({width} columns)", o, o_ref, tol_for(torch.float32, "triton"))
         check(f"final_state ({width} columns)", s, s_ref, tol_for(torch.float32, "triton"))
         outs.append((o, s))
@@ -489,7 +382,6 @@ def test_gates_slice_width(gate, rng, monkeypatch):
         assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1]), "16 and 32 columns differ"
         return
     # on the GPU the order of tl.cumsum's additions follows the tile's layout, which the width sets
-    # (when the gates kernel still summed the row norms, 1.7e-6..2.0e-6 relative in o at B2 T1600 K128)
     check("o (16 against 32 columns)", outs[1][0], outs[0][0], 5e-6)
     check("final_state (16 against 32 columns)", outs[1][1], outs[0][1], 5e-6)
 
@@ -516,7 +408,7 @@ def test_softplus_forms(fast, rng):
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gates_exact_where_needed(dtype, rng, monkeypatch):
+def test_gates_exact_where_needed(dtype, rng, launch_log):
     """Unbounded gates on the whole-chunk path: with split launches (16-bit inputs) the gates kernel
     keeps plain float32 sums in the chunks that take the middle anchor with small sums (gok == 1),
     storing no rounding errors there (gd stays as allocated: NaN under poisoning, which every
@@ -526,18 +418,17 @@ def test_gates_exact_where_needed(dtype, rng, monkeypatch):
     a rounded x = g + dt_bias (W: |gate| (|x| + 8) 2^-24 summed over the chunk), and the fast
     softplus of 16-bit inputs by up to 3e-7 exp(A_log) more (test_softplus_forms); plain float32
     sums add up to 63 roundings (S 2^-18, S the chunk's sum of |gate|)."""
-    from fastkda.backends.triton import prepare
+    from fastkda.backends.triton.plan import Tuning
 
-    assert prepare.ANY_SPLIT, "the default splits the launches of unbounded gates"
+    assert Tuning().split_unbounded, "the default splits the launches of unbounded gates"
     case = grow(Case(T=256, gate="softplus", dtype=dtype, A_log_range=(0.0, 2.0)), GPU)
     x = make_inputs(case, device=DEVICE, generator=rng)
     forced_gates(x, 64, ("small", "huge", "front", "small"))
-    kept = kept_stage1(monkeypatch)
     with use_backend("triton"), torch.no_grad():
         chunk_kda(**x)
-    p = kept[-1]
-    assert p.gd is not None and p.ga is None, "not the whole-chunk path for unbounded gates"
-    B, T, HV, K = p.gc.shape
+    p = stage1_of(launch_log)
+    assert p["gd"] is not None and p["ga"] is None, "not the whole-chunk path for unbounded gates"
+    B, T, HV, K = p["gc"].shape
     NT = T // 64
     a = x["A_log"].double().exp().view(1, 1, 1, HV, 1)
     xin = x["g"].double() + x["dt_bias"].double().view(HV, K)
@@ -546,11 +437,11 @@ def test_gates_exact_where_needed(dtype, rng, monkeypatch):
     S = act.abs().sum(2, keepdim=True)
     W = (act.abs() * (xin.abs().view_as(act) + 8) * 2.0**-24).sum(2, keepdim=True)
     slack = (64 * 3e-7 / math.log(2.0)) * a if dtype != torch.float32 else 0.0
-    gc, gd = p.gc.double().view(B, NT, 64, HV, K), p.gd.double().view(B, NT, 64, HV, K)
-    gok = p.gok.view(B, NT, 1, HV, 1).expand_as(gc)
+    gc, gd = p["gc"].double().view(B, NT, 64, HV, K), p["gd"].double().view(B, NT, 64, HV, K)
+    gok = p["gok"].view(B, NT, 1, HV, 1).expand_as(gc)
     plain = (gok == 1) if dtype != torch.float32 else torch.zeros_like(gc, dtype=torch.bool)
     if dtype != torch.float32:
-        assert bool(plain.any()) and bool((~plain).any()), p.gok  # both forms of chunk
+        assert bool(plain.any()) and bool((~plain).any()), p["gok"]  # both forms of chunk
     err = (gc + gd - exact).abs()
     assert bool((err <= W + slack)[~plain].all()), err[~plain].max()
     assert bool((gd != 0)[~plain & (S > 1e3)].any()), "no rounding errors stored in chunks of large sums"
@@ -562,7 +453,7 @@ def test_gates_exact_where_needed(dtype, rng, monkeypatch):
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 40.0, 3e3, 1e6])
 def test_exact_cumsum(scale, rng):
-    """The gates kernel's cumulative sums without float64 (prepare._exact_cumsum): float32 sum plus
+    """The gates kernel's cumulative sums without float64 (chunk_gates.exact_cumsum): float32 sum plus
     rounding error equal the float64 sum of the float32 gates to ~2^-33 of the column's magnitude
     (a plain float32 cumulative sum is off by ~2^-24 of it), on columns mixing zeros, tiny values,
     one huge value and gates of every size."""
@@ -584,25 +475,6 @@ def test_exact_cumsum(scale, rng):
     for i in range(1, 64):
         plain[i] += plain[i - 1]
     assert bool(((plain.double() - exact.cpu()).abs() > bound.cpu()).any())  # which the bound tells apart
-
-
-@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
-def test_whole_chunk_path_needs_activated_gates():
-    """Stage 1's whole-chunk path refuses pre-activated gates (nothing bounds their sign) with a
-    ValueError, before anything is launched; gates activated in the kernel take it in inference,
-    and in training where the backward takes it too (bwd_chunk.whole_backward: bfloat16)."""
-    from fastkda.backends.triton import bwd_chunk, prepare
-
-    x = make_inputs(Case(T=20))
-    opts, inp = plain_options(x)
-    with pytest.raises(ValueError, match="gates activated in the kernel"):
-        prepare.fwd_prepare(opts, inp.q, inp.k, inp.v, inp.g, inp.beta, None, None, None, None, whole=True)
-    assert not prepare.whole_forward(opts, False, False)
-    assert not prepare.whole_forward(opts, True, True)
-    opts = dataclasses.replace(opts, gate=GateMode.SOFTPLUS)
-    assert prepare.whole_forward(opts, False, False) and not prepare.whole_forward(opts, True, False)
-    assert prepare.whole_forward(opts, True, bwd_chunk.whole_backward(opts, torch.bfloat16))
-    assert not bwd_chunk.whole_backward(opts, torch.float32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

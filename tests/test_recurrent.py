@@ -274,12 +274,10 @@ def test_cuda_graph_decode(backend, rng):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
-def test_index_check_names_first_bad_sequence(rng, monkeypatch):
+def test_index_check_names_first_bad_sequence(rng, tune):
     """The index check walks the sequences in steps; the error names the first bad one, whichever
     step it falls in, and the pool stays bit-identical."""
-    from fastkda.backends.triton import recurrent
-
-    monkeypatch.setattr(recurrent, "CHECK_BN", 4)
+    tune(decode_check_rows=4)
     case = Case(B=11, T=1, H=1, HV=1, K=16, V=16, initial_state=False, final_state=False)
     x = make_inputs(case, device=DEVICE, generator=rng)
     pool = torch.randn(12, 1, 16, 16, device=DEVICE)

@@ -4,22 +4,23 @@ inside the tests, so that the test modules load without Triton)."""
 import triton
 import triton.language as tl
 
-from fastkda.backends.triton.common import exclusive_cumsum, softplus
-from fastkda.backends.triton.prepare import _exact_cumsum
+from fastkda.backends.triton.common import softplus
+from fastkda.backends.triton.tiles import exclusive_cumsum
+from fastkda.backends.triton.chunk_gates import exact_cumsum
 
 
 @triton.jit
 def exclusive_cumsum_kernel(x, y, N: tl.constexpr, M: tl.constexpr):
-    """y [N, M] = common.exclusive_cumsum of x [N, M] along the rows."""
+    """y [N, M] = tiles.exclusive_cumsum of x [N, M] along the rows."""
     o = tl.arange(0, N)[:, None] * M + tl.arange(0, M)[None, :]
     tl.store(y + o, exclusive_cumsum(tl.load(x + o), 0))
 
 
 @triton.jit
 def exact_cumsum_kernel(x, G, E, C: tl.constexpr, BS: tl.constexpr):
-    """G, E [C, BS] = prepare._exact_cumsum of x [C, BS] (float32 sums and their rounding errors)."""
+    """G, E [C, BS] = chunk_gates.exact_cumsum of x [C, BS] (float32 sums and their rounding errors)."""
     o = tl.arange(0, C)[:, None] * BS + tl.arange(0, BS)[None, :]
-    b_G, b_E = _exact_cumsum(tl.load(x + o))
+    b_G, b_E = exact_cumsum(tl.load(x + o))
     tl.store(G + o, b_G)
     tl.store(E + o, b_E)
 

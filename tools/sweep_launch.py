@@ -24,12 +24,22 @@ from profile_kernels import kernel_times  # noqa: E402
 CONFIGS = [(2, None), (4, None), (8, None), (2, 128), (4, 128), (8, 128), (4, 96), (8, 96)]
 
 
-def apply(cfg):
-    from fastkda.backends.triton import bwd_chunk, prepare
+def tuning(cfg, sets):
+    """``plan.tuned`` with every stage-1 and chunk-backward launch at ``cfg`` (warps, register cap),
+    after the ``--set`` overrides."""
+    import ast
 
-    for table in (prepare.LAUNCH, bwd_chunk.LAUNCH):
-        for name in table:
-            table[name] = cfg
+    from fastkda.backends.triton.plan import Launch, Tuning, tuned
+
+    names = ("gates", "gates_whole", "intra", "intra_whole", "inverse", "wu", "wu_x16", "bwd_v", "bwd_k", "bwd_gate",
+             "bwd_gate_block", "bwd_dg")
+    fields = {n: Launch(cfg[0], 1, cfg[1]) for n in names}
+    for item in sets:
+        name, value = item.split("=", 1)
+        if name not in Tuning.__dataclass_fields__:
+            raise SystemExit(f"--set: no Tuning field {name!r}")
+        fields[name] = ast.literal_eval(value)
+    return tuned(**fields)
 
 
 def step(case, gate):
@@ -47,8 +57,8 @@ def main():
     ap.add_argument("--case", default="B1 T8192 H64")
     ap.add_argument("--gates", default="safe,softplus")
     ap.add_argument("--jobs", type=int, default=8)
-    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="set a module constant of fastkda.backends.triton first, e.g. prepare.SLICE=64")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a Tuning field (fastkda.backends.triton.plan) for every configuration, e.g. slice=64")
     ap.add_argument("--configs", default=None, metavar="W:CAP,...",
                     help="the (warps, register cap) pairs to try, e.g. 4:0,8:0,2:128 (0: no cap); default: all")
     ap.add_argument("--only", type=int, default=None, help="(internal) compile configuration i and exit")
@@ -57,17 +67,10 @@ def main():
         CONFIGS[:] = [(int(w), int(c) or None) for w, c in (x.split(":") for x in a.configs.split(","))]
     os.environ.setdefault("FASTKDA_BACKEND", "triton")
     gates = a.gates.split(",")
-    for item in a.set:
-        import ast
-        import importlib
-
-        name, value = item.split("=", 1)
-        module, attr = name.rsplit(".", 1)
-        setattr(importlib.import_module(f"fastkda.backends.triton.{module}"), attr, ast.literal_eval(value))
     if a.only is not None:
-        apply(CONFIGS[a.only])
-        for gate in gates:
-            step(a.case, gate)()
+        with tuning(CONFIGS[a.only], a.set):
+            for gate in gates:
+                step(a.case, gate)()
         torch.cuda.synchronize()
         return
     procs, running = list(range(len(CONFIGS))), []
@@ -83,8 +86,9 @@ def main():
         fn = step(a.case, gate)
         rows = {}
         for cfg in CONFIGS:
-            apply(cfg)
-            for name, (ms, _) in kernel_times(fn).items():
+            with tuning(cfg, a.set):
+                times = kernel_times(fn)
+            for name, (ms, _) in times.items():
                 if "kda_fwd" in name or "kda_bwd" in name:
                     rows.setdefault(name, {})[cfg] = ms
         print(f"\n{a.case}, {gate} gate {' '.join(a.set)}: ms per kernel and (warps, register cap)")

@@ -1,11 +1,11 @@
-"""Forward (and training-step) times of module-switch variants in one process, interleaved: which
-of two settings of a knob is faster, measured side by side.
+"""Forward (and training-step) times of tuning variants in one process, interleaved: which of two
+settings of a knob is faster, measured side by side.
 
-    VARIANTS='{"on": {}, "off": {"fastkda.backends.triton.common.FAST_SOFTPLUS": false}}' \\
+    VARIANTS='{"on": {}, "off": {"fast_softplus": false}}' \\
         python tools/variant_times.py --cases "B1 T8192 H64 softplus" --profile --train
 
-A variant maps "module.attribute" (or "module.TABLE[key]" for one entry of a dict) to the value it
-takes while that variant runs; every variant is timed ``--rounds`` times (triton.testing.do_bench
+A variant maps fields of the Triton backend's ``plan.Tuning`` to the values they take while that
+variant runs (``plan.tuned``; a launch field as a list [warps, stages, register cap]); every variant is timed ``--rounds`` times (triton.testing.do_bench
 medians), round by round, so that drifts of the GPU's clock fall on all of them alike. ``--profile``
 prints the per-kernel times of each variant's first round (tools/profile_kernels.py; with
 ``--train``, of the training step too), ``--error``
@@ -15,7 +15,6 @@ the relative RMS error against the float64 reference, ``--train`` a training ste
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -29,21 +28,13 @@ from bench_ops import BACKWARD, FORWARD, _reference, make  # noqa: E402
 from profile_kernels import kernel_times  # noqa: E402
 
 
-def apply(settings: dict) -> dict:
-    """Set each "module.attr" / "module.TABLE[key]" to its value; return the values it replaced."""
-    saved = {}
-    for key, val in settings.items():
-        mod, attr = key.rsplit(".", 1) if "[" not in key else key.split("[")[0].rsplit(".", 1)
-        m = importlib.import_module(mod)
-        if "[" in key:
-            item = key.split("[", 1)[1].rstrip("]")
-            table = getattr(m, attr)
-            saved[key] = table[item]
-            table[item] = tuple(val) if isinstance(val, list) else val
-        else:
-            saved[key] = getattr(m, attr)
-            setattr(m, attr, val)
-    return saved
+def tuning(settings: dict):
+    """``plan.tuned`` with a variant's settings (lists become tuples: launch fields)."""
+    from fastkda.backends.triton.plan import Launch, Tuning, tuned
+
+    launches = {n for n, f in Tuning.__dataclass_fields__.items() if f.default.__class__ is Launch}
+    return tuned(**{k: Launch(*v) if k in launches else tuple(v) if isinstance(v, list) else v
+                    for k, v in settings.items()})
 
 
 def case_shape(case: str) -> dict:
@@ -81,7 +72,8 @@ def main():
         step = {n: [] for n in variants}
         for rnd in range(a.rounds):
             for name, settings in variants.items():
-                saved = apply(settings)
+                scope = tuning(settings)
+                scope.__enter__()
                 with torch.inference_mode():
                     call = lambda: fastkda.chunk_kda(**x, **kw)  # noqa: E731
                     if rnd == 0 and a.error:
@@ -98,7 +90,7 @@ def main():
                         times = sorted(kernel_times(train).items(), key=lambda r: -r[1][0])
                         print(f"  [{case} / {name} / training] " + ", ".join(
                             f"{k[:28]} {v[0]:.3f}" for k, v in times if v[0] >= 0.01), flush=True)
-                apply(saved)
+                scope.__exit__(None, None, None)
         for label, res in (("forward", fwd), ("training step", step)):
             if any(res.values()):
                 print(f"{case} {label}: " + "  ".join(

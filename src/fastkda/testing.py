@@ -3,17 +3,15 @@ the float64 reference, relative RMS errors and NaN poisoning of freshly allocate
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
-import threading
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
+from .alloc import new_empty, poisoned
 from .naive import naive_chunk_kda, naive_recurrent_kda
 
 __all__ = [
@@ -21,28 +19,8 @@ __all__ = [
     "gate_param_scales", "param_error", "gate_slope", "gate_input_error",
 ]
 
-# ----------------------------------------------------------------------------------------------
-# poisoning: kernels allocate their outputs through new_empty; under poisoned() those start as NaN
-# (integers as -1), so any element a kernel forgets to write fails the comparison.
-
-_poison = threading.local()
-
-
-@contextlib.contextmanager
-def poisoned(enabled: bool = True) -> Iterator[None]:
-    prev = getattr(_poison, "on", False)
-    _poison.on = enabled
-    try:
-        yield
-    finally:
-        _poison.on = prev
-
-
-def new_empty(*shape, dtype: torch.dtype, device) -> torch.Tensor:
-    t = torch.empty(*shape, dtype=dtype, device=device)
-    if getattr(_poison, "on", False):
-        t.fill_(math.nan if t.is_floating_point() else -1)
-    return t
+# poisoning: kernels allocate their outputs through fastkda.alloc.new_empty; under poisoned() those
+# start as NaN (integers as -1), so any element a kernel forgets to write fails the comparison.
 
 
 # ----------------------------------------------------------------------------------------------

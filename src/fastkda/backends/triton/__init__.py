@@ -1,13 +1,16 @@
 """Triton backend for NVIDIA GPUs; CPU tensors run in the Triton interpreter
 (``TRITON_INTERPRET=1``) when this backend is forced, which is how the CPU test tier checks it.
 
-Stages: ``prepare`` and ``scan`` (chunk forward), ``bwd_scan`` and ``bwd_chunk`` (chunk backward,
-through ``function.ChunkKDAFunction``), ``recurrent`` (decoding), ``gate`` (gate helpers).
+A call's launches follow its plan (``plan.chunk_plan``, ``plan.decode_plan``; ``fastkda.explain``
+prints it). Chunk forward: ``chunk_gates``, ``intra``, ``wy`` (stage 1), ``scan`` and ``output``
+(``forward`` launches them); chunk backward: ``bwd_scan``, ``bwd_wy``, ``bwd_intra``, ``bwd_l2norm``
+(``backward``), through ``function``; decoding: ``recurrent``; the gate operators: ``gate``.
+Shared tile helpers: ``tiles``; locations, gate math and launching: ``common``.
 
 The default for CUDA tensors on NVIDIA GPUs (priority above the PyTorch backend, which runs the
 same math in many more launches). CPU tensors go to it only when it is forced
 (``FASTKDA_BACKEND=triton`` or ``fastkda.use_backend("triton")``) under ``TRITON_INTERPRET=1``.
-Speed against fla-core: BENCHMARKS.md."""
+Speed against fla-core and FlashKDA: BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -16,20 +19,11 @@ import torch
 from ... import platform
 from ...options import KDAInputs, KDAOptions
 from ..registry import Backend, forced_backend, needs_grad
-from .common import contiguous_inputs
-from .function import chunk_kda_autograd, chunk_kda_vjp, forward_stages, graph_inputs, poison
+from .function import chunk_forward, chunk_kda_autograd, chunk_kda_vjp, plan_of
 from .recurrent import recurrent_forward
 from . import gate as gate_kernels
 
 MAX_DIM = platform.TRITON_MAX_DIM
-
-
-def chunk_forward(opts: KDAOptions, x: KDAInputs):
-    """(o, final_state, h) through the two forward stages, without gradients."""
-    x, bad = graph_inputs(opts, contiguous_inputs(x))
-    _, o, ht, h, _ = forward_stages(opts, x)
-    poison(bad, o, ht, h)
-    return o, ht, h
 
 
 class TritonBackend(Backend):

@@ -16,22 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ...testing import new_empty
-from ... import platform
-from .common import cdiv, mma, pow2, scan_stages, scan_warps, seq_grid, seq_program, sequence_location
-from .scan import _state_ptrs, chunk_operands
-
-BWD_SCAN_BV = 64
-BWD_SCAN_WARPS = 8  # 4 spill registers at K = V = 128
-# (32 value columns on 4 warps faults on the H200 with Triton 3.6, though exact under the
-# interpreter: BENCHMARKS.md. Not launched: 32 columns only for K > 128, on these 8 warps.)
-# software-pipelined chunk loop for K <= 128 (the next chunks' operands load during this one's
-# products; float32 inputs at most 2 stages): B1 T8192 H64 on the H200 0.718 -> 0.637 -> 0.612 ms
-# per call at 1, 2, 3 stages (BENCHMARKS.md)
-BWD_SCAN_STAGES = 3
-# value columns per program where BWD_SCAN_BV-wide programs would outnumber the SMs (None: keep
-# BWD_SCAN_BV), as scan.SCAN_BV_CROWDED
-BWD_SCAN_BV_CROWDED = 128
+from ...alloc import new_empty
+from ...options import KDAOptions
+from .common import launch, seq_grid, seq_program, sequence_location
+from .plan import ChunkPlan, pow2
+from .tiles import as_operand, chunk_operands, state_ptrs
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -51,7 +40,7 @@ def kda_bwd_scan_kernel(
 
     b_dH = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
     if USE_DHT:
-        p_dht, m_h = _state_ptrs(dht + i_nh * K * V, o_k, o_v, K, V, V_FIRST)
+        p_dht, m_h = state_ptrs(dht + i_nh * K * V, o_k, o_v, K, V, V_FIRST)
         b_dH += tl.load(p_dht, mask=m_h, other=0.0).to(tl.float32)
 
     p_uv = (bos * HV + i_hv) * V + o_v[None, :]
@@ -60,41 +49,37 @@ def kda_bwd_scan_kernel(
         i_t = NT - 1 - i_r
         o_t = i_t * C + o_c
         r_t = o_t.to(tl.int64)[:, None]
-        p_dh, m_h = _state_ptrs(dhs + ((c_off + i_t) * HV + i_hv) * K * V, o_k, o_v, K, V, False)
+        p_dh, m_h = state_ptrs(dhs + ((c_off + i_t) * HV + i_hv) * K * V, o_k, o_v, K, V, False)
         tl.store(p_dh, b_dH, mask=m_h)
         b_w, b_qg, b_kd, b_A, b_gl = chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV, K, C, DT, EMU)
         m_tv = (o_t < T_seq)[:, None] & m_v[None, :]
-        b_do = mma(tl.load(do + p_uv + r_t * (HV * V), mask=m_tv, other=0.0), DT, EMU)  # [C, BV]
+        b_do = as_operand(tl.load(do + p_uv + r_t * (HV * V), mask=m_tv, other=0.0), DT, EMU)  # [C, BV]
 
-        b_dHd = mma(b_dH, DT, EMU)
+        b_dHd = as_operand(b_dH, DT, EMU)
         b_dvn = tl.dot(tl.trans(b_A), b_do, input_precision=PREC) + tl.dot(b_kd, b_dHd, input_precision=PREC)
         tl.store(dvn + p_uv + r_t * (HV * V), b_dvn, mask=m_tv)
         b_dH = b_dH * b_gl[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC) \
-            - tl.dot(tl.trans(b_w), mma(b_dvn, DT, EMU), input_precision=PREC)
+            - tl.dot(tl.trans(b_w), as_operand(b_dvn, DT, EMU), input_precision=PREC)
 
     if STORE_DH0:
-        p_dh0, m_h = _state_ptrs(dh0 + i_nh * K * V, o_k, o_v, K, V, V_FIRST)
+        p_dh0, m_h = state_ptrs(dh0 + i_nh * K * V, o_k, o_v, K, V, V_FIRST)
         tl.store(p_dh0, b_dH, mask=m_h)
 
 
-def bwd_scan(opts, qg, w, kd, Aqk, gl, do, dht, cu_seqlens, chunk_offsets, NT_total, want_dh0, DT, PREC, EMU):
+def bwd_scan(opts: KDAOptions, plan: ChunkPlan, qg, w, kd, Aqk, gl, do, dht, cu_seqlens, chunk_offsets, NT_total: int,
+             want_dh0: bool):
     """Launch backward stage 1. Returns (dhs [NT_total, HV, K, V], dv' [B, T, HV, V], dh0 or None), all
     float32 (in 16 bits, dhs alone would add half of the bf16 error budget to dk and dA_log)."""
-    s, C = opts.shape, opts.chunk_size
+    s, C, b, dot = opts.shape, opts.chunk_size, plan.backward, plan.dot
     B, T, HV, K, V, N = s.B, s.T, s.HV, s.K, s.V, s.N
     dev = qg.device
     dhs = new_empty(NT_total, HV, K, V, dtype=torch.float32, device=dev)
     dvn = new_empty(B, T, HV, V, dtype=torch.float32, device=dev)
     dh0 = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev) if want_dh0 else None
-    BK = pow2(K)
-    BV = min(pow2(V), BWD_SCAN_BV if BK <= 128 else 32)  # wider keys: fewer registers per program
-    if BK <= 128 and BWD_SCAN_BV_CROWDED and cdiv(V, BV) * N * HV > platform.sm_count(dev):
-        BV = min(pow2(V), BWD_SCAN_BV_CROWDED)
     if N * HV > 0:
-        kda_bwd_scan_kernel[seq_grid(V, BV, N * HV)](
-            qg, w, kd, Aqk, gl, do, dht, dhs, dh0, dvn, cu_seqlens, chunk_offsets, T,
-            HV=HV, K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=want_dh0,
-            V_FIRST=opts.state_v_first, IS_VARLEN=cu_seqlens is not None, DT=DT, PREC=PREC, EMU=EMU,
-            num_warps=scan_warps(BWD_SCAN_WARPS, BK, BV), num_stages=scan_stages(BWD_SCAN_STAGES, BK, BV, w),
-        )
+        launch(kda_bwd_scan_kernel, seq_grid(V, b.scan_bv, N * HV),
+               qg, w, kd, Aqk, gl, do, dht, dhs, dh0, dvn, cu_seqlens, chunk_offsets, T,
+               HV=HV, K=K, V=V, C=C, BK=pow2(K), BV=b.scan_bv, USE_DHT=dht is not None, STORE_DH0=want_dh0,
+               V_FIRST=opts.state_v_first, IS_VARLEN=cu_seqlens is not None, DT=dot.dtype, PREC=dot.prec,
+               EMU=dot.emulate, **b.scan.kwargs())
     return dhs, dvn, dh0

@@ -1,17 +1,22 @@
-"""Shared Triton helpers: gate activation, numerically careful transcendental functions,
-varlen chunk indices. Everything here runs in the Triton interpreter too (plain ``tl`` ops only)."""
+"""Shared pieces of the Triton backend: gate activation and its backward, where a program's chunk
+or sequence lies (varlen aware), the chunk tables, and ``launch``, through which every kernel of the
+chunk path starts (``recorded_launches`` lists them: which kernels ran, with which arguments).
+Everything jitted here runs in the Triton interpreter too (plain ``tl`` ops only)."""
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import contextvars
 import math
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ...alloc import new_empty
 from ...options import graph_chunk_slots, seqlens_derived
-from ...testing import new_empty
+from .plan import cdiv
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -20,9 +25,44 @@ LN2 = math.log(2.0)
 GATE_PREGATED = 0
 GATE_SOFTPLUS = 1
 GATE_LOWER_BOUND = 2
-# the forward gates kernel's softplus for 16-bit inputs in its fast form (softplus_form). B1 T8192
-# H64 softplus bfloat16 on an H200: BENCHMARKS.md
-FAST_SOFTPLUS = True
+
+
+class Launched(NamedTuple):
+    """One recorded launch: the kernel's name, its grid, its arguments by name, its launch options."""
+
+    name: str
+    grid: tuple
+    args: dict
+    options: dict
+
+
+_RECORD: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("fastkda_triton_launches", default=None)
+
+
+@contextlib.contextmanager
+def recorded_launches(before: Callable[[Launched], None] | None = None) -> Iterator[list[Launched]]:
+    """The launches made inside the block (this thread or task only), in order; ``before`` is
+    called with each record just before its kernel starts (its arguments as they are then)."""
+    log: list[Launched] = []
+    token = _RECORD.set((log, before))
+    try:
+        yield log
+    finally:
+        _RECORD.reset(token)
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, recorded inside ``recorded_launches``."""
+    record = _RECORD.get()
+    if record is not None:
+        names = kernel.arg_names
+        bound = dict(zip(names, args))
+        bound.update({n: v for n, v in kwargs.items() if n in names})
+        entry = Launched(kernel.fn.__name__, tuple(grid), bound, {n: v for n, v in kwargs.items() if n not in names})
+        record[0].append(entry)
+        if record[1] is not None:
+            record[1](entry)
+    kernel[grid](*args, **kwargs)
 
 
 @triton.jit
@@ -52,16 +92,6 @@ def softplus(x, FAST: tl.constexpr):
             b_l = tl.log2(u)
         y = tl.maximum(x, 0.0) + (b_l * 0.6931471805599453 + (t - (u - 1.0)) * (1.5 - 0.5 * u))
     return y
-
-
-def softplus_form(dtype: torch.dtype) -> int:
-    """softplus's FAST for the gates kernels' inputs of ``dtype``: 16-bit inputs the fast forms (the
-    plain tl twin under the interpreter), float32 ones the exact (FAST_SOFTPLUS off: always)."""
-    from ... import platform
-
-    if not FAST_SOFTPLUS or dtype == torch.float32:
-        return 0
-    return 1 if platform.triton_interpret() else 2
 
 
 @triton.jit
@@ -144,7 +174,7 @@ def sequence_location(i_n, cu_seqlens, chunk_offsets, T, C: tl.constexpr, IS_VAR
 
 def chunk_grid(parts: int, HV: int, heads_first: bool = False) -> tuple[int, ...]:
     """The grid of a chunk_program kernel with ``parts`` programs per value head: (parts, HV), or
-    ``heads_first`` (its HF) one dimension of HV x parts programs, the value head varying fastest
+    ``heads_first`` (its HEADS_FIRST) one dimension of HV x parts programs, the value head varying fastest
     (one dimension: a grid's second may not exceed 65535, which parts can)."""
     return (HV * parts,) if heads_first else (parts, HV)
 
@@ -166,13 +196,13 @@ def seq_program(V: tl.constexpr, BV: tl.constexpr):
 
 @triton.jit
 def chunk_program(cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexpr, IS_VARLEN: tl.constexpr,
-                  NSUB: tl.constexpr, HF: tl.constexpr):
+                  NSUB: tl.constexpr, HEADS_FIRST: tl.constexpr):
     """(part of the chunk, value head, slot of the pair in the per-chunk scratches, first token of
     the sequence, its length, first token of the chunk within it) of this program. Grids are
-    (chunks * NSUB, value heads), or with HF value heads * chunks * NSUB, the head varying fastest
+    (chunks * NSUB, value heads), or with HEADS_FIRST value heads * chunks * NSUB, the head varying fastest
     (chunk_grid): the NSUB programs of one chunk (its row blocks or feature slices) run close
     together and share what they read through the L2 cache."""
-    if HF:
+    if HEADS_FIRST:
         i_pid = tl.program_id(0).to(tl.int64)
         i_hv, i_x = i_pid % HV, i_pid // HV
     else:
@@ -180,42 +210,6 @@ def chunk_program(cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexp
     i_c, i_sub = i_x // NSUB, (i_x % NSUB).to(tl.int32)
     _, i_t, bos, T_seq = chunk_location(i_c, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
     return i_sub, i_hv, i_c * HV + i_hv, bos, T_seq, i_t * C
-
-
-@triton.jit
-def block_lower(x, o_c, C: tl.constexpr):
-    """A chunk's [C, C] scratch of 16 x 16 blocks (in its own dtype), the blocks on and below the
-    diagonal (the ones above are never written) and zeros above."""
-    return tl.load(x + o_c[:, None] * C + o_c[None, :], mask=(o_c[:, None] // 16) >= (o_c[None, :] // 16), other=0.0)
-
-
-@triton.jit
-def mma(x, DT: tl.constexpr, EMU: tl.constexpr):
-    """x as a matrix-product operand of dtype DT. The interpreter's bfloat16 products are wrong
-    (they multiply raw bits), so with EMU the rounding to DT is kept and the product is float32."""
-    if EMU:
-        return x.to(DT).to(tl.float32)
-    return x.to(DT)
-
-
-@triton.jit
-def _exclusive_combine(a1, b1, a2, b2):
-    # (sum of a segment without its last element, its last element) of two adjacent segments
-    return a1 + b1 + a2, b2
-
-
-@triton.jit
-def exclusive_cumsum(x, axis: tl.constexpr):
-    """sum_{s < t} x_s along ``axis``: a scan that adds every term once, in order (never an inclusive
-    sum minus the term itself, which loses a small prefix next to a large term)."""
-    b_s, _ = tl.associative_scan((tl.zeros_like(x), x), axis, _exclusive_combine)
-    return b_s
-
-
-@triton.jit
-def row_of(x, o_r, r):
-    """Row r of a [R, C] tile, as a [C] vector."""
-    return tl.sum(tl.where(o_r[:, None] == r, x, 0.0), 0)
 
 
 def contiguous(t):
@@ -242,25 +236,18 @@ def gate_launch(opts, A_log, dt_bias) -> dict:
                 HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None)
 
 
-@functools.lru_cache(maxsize=64)
-def _chunk_tables(lens: tuple[int, ...], C: int, device: str):
-    """(chunk_indices [NT_total, 2] int32: (sequence, chunk in sequence), chunk_offsets [N+1] int32)."""
-    counts = [cdiv(n, C) for n in lens]
-    idx = [(n, c) for n, cnt in enumerate(counts) for c in range(cnt)]
-    offsets = [0]
-    for cnt in counts:
-        offsets.append(offsets[-1] + cnt)
-    ci = torch.tensor(idx, dtype=torch.int32).view(-1, 2)
-    return ci.to(device), torch.tensor(offsets, dtype=torch.int32).to(device)
-
-
 def chunk_tables(cu_host: torch.Tensor, C: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(chunk_indices, chunk_offsets, NT_total) of the host copy of cu_seqlens, kept by its values
-    (options.seqlens_derived) and by sequence lengths (_chunk_tables)."""
+    """(chunk_indices [NT_total, 2] int32: (sequence, chunk in sequence), chunk_offsets [N+1] int32,
+    NT_total) of the host copy of cu_seqlens, kept by its values (options.seqlens_derived)."""
     def make():
         cu = cu_host.tolist()
-        ci, co = _chunk_tables(tuple(cu[i + 1] - cu[i] for i in range(len(cu) - 1)), C, str(device))
-        return ci, co, ci.shape[0]
+        counts = [cdiv(cu[i + 1] - cu[i], C) for i in range(len(cu) - 1)]
+        idx = [(n, c) for n, cnt in enumerate(counts) for c in range(cnt)]
+        offsets = [0]
+        for cnt in counts:
+            offsets.append(offsets[-1] + cnt)
+        ci = torch.tensor(idx, dtype=torch.int32).view(-1, 2).to(device)
+        return ci, torch.tensor(offsets, dtype=torch.int32).to(device), len(idx)
 
     return seqlens_derived(cu_host, ("chunks", C, str(device)), make)
 
@@ -298,51 +285,3 @@ def chunk_tables_static(cu_ext: torch.Tensor, N: int, T: int, C: int) -> tuple[t
     seq_c = seq.clamp(max=max(N - 1, 0))
     ci = torch.stack([torch.where(real, seq_c, N + 1), torch.where(real, slot - offsets[seq_c], 1)], 1)
     return ci.to(torch.int32), offsets.to(torch.int32), nt_max
-
-
-def launch_options(table: dict, name: str, BK: int, BV: int) -> dict:
-    """Launch options of kernel ``name`` from a (warps, register cap) table: at least 4 warps for
-    features beyond 128 (the tiles grow with them)."""
-    warps, maxnreg = table[name]
-    if max(BK, BV) > 128:
-        warps, maxnreg = max(warps, 4), None
-    return dict(num_warps=warps, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))
-
-
-def scan_stages(stages: int, BK: int, BV: int, x: torch.Tensor) -> int:
-    """Pipeline stages of a state scan's chunk loop: ``stages`` for keys up to 128 and 16-bit
-    operands, at most 2 for float32 ones (twice the shared memory per stage), 1 for wider keys.
-    Programs wider than 64 value columns take one stage fewer, one for float32 (each stage holds
-    a wider [C, BV] tile: 128 columns at 3 stages asked 232 KB of shared memory on an H200, over
-    its 227 KB)."""
-    if BK > 128:
-        return 1
-    stages = stages if x.element_size() <= 2 else min(stages, 2)
-    return stages if BV <= 64 else max(1, stages - 1 if x.element_size() <= 2 else 1)
-
-
-def scan_warps(warps: int, BK: int, BV: int) -> int:
-    """Warps of a state scan's program: ``warps`` up to a [128, 64] state, 8 beyond (registers)."""
-    return warps if BK * BV <= 128 * 64 else max(warps, 8)
-
-
-# Host-side sizes in plain Python: triton.next_power_of_2 and triton.cdiv are constexpr functions,
-# microseconds per host call, which add up on the decode path (several calls per token).
-def pow2(n: int, lo: int = 16) -> int:
-    """The smallest power of two >= n, at least lo."""
-    return max(lo, 1 << max(int(n) - 1, 0).bit_length())
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for non-negative a and positive b."""
-    return -(-a // b)
-
-
-def dot_config(dtype: torch.dtype):
-    """(operand dtype, input precision, emulate) of the matrix products for inputs of ``dtype``."""
-    from ... import platform
-
-    if dtype in (torch.bfloat16, torch.float16):
-        dt = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
-        return dt, "tf32", platform.triton_interpret() and dtype == torch.bfloat16
-    return tl.float32, "ieee", False

@@ -8,10 +8,9 @@ import triton
 import triton.language as tl
 
 from ...options import host_seqlens
-from ...testing import new_empty
-from .common import activate_gate, cdiv, chunk_location, chunk_tables, contiguous, gate_backward, gate_launch, pow2
-
-ROWS = 32  # rows (tokens) per program of the elementwise kernels
+from ...alloc import new_empty
+from .common import activate_gate, chunk_location, chunk_tables, contiguous, gate_backward, gate_launch, launch
+from .plan import cdiv, current_tuning, pow2
 
 
 @triton.jit
@@ -76,9 +75,11 @@ class _GateFunction(torch.autograd.Function):
         g2 = g.contiguous().view(-1, HV, K)
         R = g2.shape[0]
         y = new_empty(*g.shape, dtype=opts.output_dtype, device=g.device)
+        rows = current_tuning().gate_rows
         if R:
-            kda_gate_fwd_kernel[(cdiv(R, ROWS), HV)](
-                g2, A_log, dt_bias, y, R=R, HV=HV, K=K, BK=pow2(K, 1), BR=ROWS, **gate_launch(opts, A_log, dt_bias))
+            launch(kda_gate_fwd_kernel, (cdiv(R, rows), HV),
+                g2, A_log, dt_bias, y, R=R, HV=HV, K=K, BK=pow2(K, 1), BR=rows, **gate_launch(opts, A_log, dt_bias))
+        ctx.rows = rows
         ctx.save_for_backward(g2, A_log, dt_bias)
         ctx.opts, ctx.shape, ctx.dtype = opts, g.shape, g.dtype
         return y
@@ -88,14 +89,15 @@ class _GateFunction(torch.autograd.Function):
         g2, A_log, dt_bias = ctx.saved_tensors
         opts = ctx.opts
         R, HV, K = g2.shape
-        nr = cdiv(R, ROWS)
+        rows = ctx.rows
+        nr = cdiv(R, rows)
         dg = new_empty(R, HV, K, dtype=ctx.dtype, device=g2.device)
         dA_part = new_empty(nr, HV, dtype=torch.float32, device=g2.device) if A_log is not None else None
         db_part = new_empty(nr, HV, K, dtype=torch.float32, device=g2.device) if dt_bias is not None else None
         if R:
-            kda_gate_bwd_kernel[(nr, HV)](
+            launch(kda_gate_bwd_kernel, (nr, HV),
                 g2, A_log, dt_bias, dy.contiguous().view(R, HV, K), dg, dA_part, db_part, R=R, HV=HV, K=K,
-                BK=pow2(K, 1), BR=ROWS, **gate_launch(opts, A_log, dt_bias))
+                BK=pow2(K, 1), BR=rows, **gate_launch(opts, A_log, dt_bias))
         dA = dA_part.sum(0).view_as(A_log).to(A_log.dtype) if A_log is not None else None
         db = db_part.sum(0).view_as(dt_bias).to(dt_bias.dtype) if dt_bias is not None else None
         return dg.view(ctx.shape), dA, db, None
@@ -115,7 +117,7 @@ def gate_chunk_cumsum(opts, g, A_log, dt_bias, cu_seqlens):
     else:
         chunk_indices, NT_total = None, B * cdiv(T, C)
     if NT_total:
-        kda_gate_cumsum_kernel[(NT_total, HV)](
+        launch(kda_gate_cumsum_kernel, (NT_total, HV),
             g, A_log, dt_bias, y, cu_seqlens, chunk_indices, scale=opts.scale if opts.scale is not None else 1.0, T=T,
             HV=HV, K=K, BK=pow2(K, 1), C=C, IS_VARLEN=cu_seqlens is not None, **gate_launch(opts, A_log, dt_bias))
     return y

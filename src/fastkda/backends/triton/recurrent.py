@@ -27,14 +27,11 @@ import triton
 import triton.language as tl
 
 from ... import platform
-from ...testing import new_empty
-from .common import activate_gate, contiguous_inputs, gate_launch, pow2, seq_grid, seq_program
+from ...alloc import new_empty
+from .common import activate_gate, contiguous_inputs, gate_launch, launch, seq_grid, seq_program
+from .plan import current_tuning, decode_plan, pow2
 
 # value columns and warps per program: many one-warp programs keep the most state loads in flight
-REC_BV = 16  # for K <= 128
-REC_WARPS = 1
-REC_WIDE = (32, 4)  # (BV, warps) for K > 128, where BV=16 at one warp spills
-CHECK_BN = 256  # sequences per step of the index check
 
 # error codes: 0 ok; otherwise kind + ERR_BASE * (sequence index)
 ERR_SLOT, ERR_ACCEPTED, ERR_TOKENS, ERR_SHARED = 1, 2, 3, 4
@@ -278,6 +275,7 @@ def _state_strides(h0, v_first: bool) -> tuple[dict, int]:
 def recurrent_forward(opts, x):
     s = opts.shape
     B, T, H, HV, K, V, N = s.B, s.T, s.H, s.HV, s.K, s.V, s.N
+    plan = decode_plan(K, current_tuning())
     x = contiguous_inputs(x, keep=("initial_state",))  # the state is the caller's tensor, indexed by its strides
     q, k, v, g, beta = x.q, x.k, x.v, x.g, x.beta
     dev = q.device
@@ -295,22 +293,21 @@ def recurrent_forward(opts, x):
         unique = opts.inplace_final_state
         scratch = torch.zeros(1 + (num_slots if unique else 0), dtype=torch.int32, device=dev)
         sticky = scratch if raises else sticky_error(platform.resolve_device(dev))
-        kda_check_indices_kernel[(1,)](
-            idx, acc, x.cu_seqlens, scratch, sticky, N, T, num_slots, idx.stride(0), cols, BC=pow2(cols, 1),
-            BN=CHECK_BN, SPEC=opts.spec_decode, IS_VARLEN=x.cu_seqlens is not None, KEEP=not raises, UNIQUE=unique,
-        )
-    BK = pow2(K)
-    BV, warps = (REC_BV, REC_WARPS) if BK <= 128 else REC_WIDE
-    BV = min(pow2(V), BV)
+        if plan.slot_check:  # off: every slot passes here (the decode kernel still bounds them)
+            launch(kda_check_indices_kernel, (1,),
+                   idx, acc, x.cu_seqlens, scratch, sticky, N, T, num_slots, idx.stride(0), cols, BC=pow2(cols, 1),
+                   BN=plan.check_rows, SPEC=opts.spec_decode, IS_VARLEN=x.cu_seqlens is not None, KEEP=not raises,
+                   UNIQUE=unique)
+    BK, BV = plan.BK, min(pow2(V), plan.BV)
     strides, h_tile = _state_strides(h0, opts.state_v_first)
     if N * HV > 0:
-        kda_recurrent_kernel[seq_grid(V, BV, N * HV)](
+        launch(kda_recurrent_kernel, seq_grid(V, BV, N * HV),
             q, k, v, g, beta, x.A_log, x.dt_bias, o, h0, ht, x.cu_seqlens, idx, acc, scratch,
             scale=opts.scale, T=T, num_slots=num_slots, stride_idx=idx.stride(0) if idx is not None else 0, COLS=cols,
             **strides, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **gate_launch(opts, x.A_log, x.dt_bias),
             L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, USE_H0=h0 is not None,
             STORE_HT=ht is not None, POOL=opts.pool, SPEC=opts.spec_decode, INPLACE=opts.inplace_final_state,
-            V_FIRST=opts.state_v_first, IS_VARLEN=x.cu_seqlens is not None, H_TILE=h_tile, num_warps=warps,
+            V_FIRST=opts.state_v_first, IS_VARLEN=x.cu_seqlens is not None, H_TILE=h_tile, **plan.launch.kwargs(),
         )
     if raises:
         code = int(scratch[0].item())

@@ -1,0 +1,157 @@
+"""Backward stage 2, phases A and B: the gradients through the state products and the WY form.
+
+Per chunk and value head, with v' = u - w S and dv' from the backward scan (docs/math.md section 5):
+
+    phase A (kda_bwd_v_kernel, contractions over V):
+        dqg = do S^T     dkd = v' dH^T     dw = -dv' S^T     dAqk = do v'^T
+        a = X^T dv'      dv = beta a       dL = -a u^T       dgam = rowsum(S * dH)
+    phase B (kda_bwd_k_kernel, contractions over K):
+        b = X^T dw       dkg = beta b      dL -= b w^T
+        dbeta = rowsum(v a) + rowsum(kg b) + rowsum(dL * Akk)      dAkk = Diag(beta) dL (strictly lower)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import chunk_program
+from .tiles import block_lower, block_sums, cum_gates, load_beta, load_tile, prod, state_ptrs, store_tile
+
+
+@triton.jit
+def _xcol(xs, r, C: tl.constexpr, o_c, o_i):
+    """Column block r of X [C, 16]: rows above the block are zero (and were never written)."""
+    return tl.load(xs + o_c[:, None] * C + 16 * r + o_i[None, :], mask=(o_c >= 16 * r)[:, None], other=0.0)
+
+
+@triton.jit
+def _state(x, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
+    """[BK, BS] tile of a [K, V] state, as float32."""
+    p, m = state_ptrs(x, o_k, o_v, K, V, False)
+    return tl.load(p, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_v_kernel(
+    v, beta, u, vn, h, dhs, do, dvn, xs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, dv,
+    cu_seqlens, chunk_indices, scale, T,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKS: tl.constexpr, NKS: tl.constexpr,
+    BV: tl.constexpr, BS: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr, MIRROR: tl.constexpr,
+):
+    """Phase A, the contractions over V, as [C, BS] x [BS, .] products of the whole chunk. Parts
+    0..NKS-1 of a chunk: the state products for BKS feature columns each (dqg, dkd, dw and the
+    chunk-decay gradient dgam); part NKS: the products within the chunk (dAqk, a, dv, dL, beta's
+    first terms). MIRROR: dAqk's upper triangle holds its transpose (else zeros)."""
+    i_part, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NKS + 1, False)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
+    o_c = tl.arange(0, C)
+    if i_part < NKS:
+        o_k = i_part * BKS + tl.arange(0, BKS)
+        h += i_p * K * V
+        dhs += i_p * K * V
+        b_dqg = tl.zeros([C, BKS], tl.float32)
+        b_dkd = tl.zeros([C, BKS], tl.float32)
+        b_dw = tl.zeros([C, BKS], tl.float32)
+        b_dgam = tl.zeros([BKS], tl.float32)  # gradient of the chunk decay gl
+        for s in range(0, BV, BS):
+            o_v = s + tl.arange(0, BS)
+            b_S = _state(h, o_k, o_v, K, V)  # [BKS, BS]
+            b_dH = _state(dhs, o_k, o_v, K, V)
+            b_dqg += prod(load_tile(do, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_S), PREC)
+            b_dkd += prod(load_tile(vn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_dH), PREC)
+            b_dw -= prod(load_tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_S), PREC)
+            b_dgam += tl.sum(b_S * b_dH, 1)
+        store_tile(s_dqg, b_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_k)
+        store_tile(s_dkd, b_dkd, bos, t0, T_seq, i_hv, HV, K, o_c, o_k)
+        store_tile(s_dw, b_dw, bos, t0, T_seq, i_hv, HV, K, o_c, o_k)
+        tl.store(s_dgam + i_p * K + o_k, b_dgam, mask=o_k < K)
+    else:
+        b_X = block_lower(xs + i_p * C * C, o_c, C)  # X is block lower triangular
+        b_b = load_beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)  # [C]
+        b_dA = tl.zeros([C, C], tl.float32)
+        b_dL = tl.zeros([C, C], tl.float32)
+        b_db = tl.zeros([C], tl.float32)
+        for s in range(0, BV, BS):
+            o_v = s + tl.arange(0, BS)
+            b_vn = load_tile(vn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)  # [C, BS]
+            b_dA += prod(load_tile(do, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_vn), PREC)
+            b_a = prod(tl.trans(b_X), load_tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), PREC)  # a = X^T dv'
+            store_tile(dv, b_b[:, None] * b_a, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)
+            b_db += tl.sum(load_tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_v) * b_a, 1)
+            b_dL -= prod(b_a, tl.trans(load_tile(u, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)), PREC)
+        o_cc = i_p * C * C + o_c[:, None] * C + o_c[None, :]
+        # Aqk is stored times scale: its gradient goes to q and k times scale
+        b_dA *= scale
+        b_up = tl.zeros([C, C], tl.float32)
+        if MIRROR:
+            b_up = tl.trans(b_dA)
+        tl.store(s_dA + o_cc, tl.where(o_c[:, None] >= o_c[None, :], b_dA, b_up))
+        tl.store(s_dL + o_cc, b_dL)
+        tl.store(s_db + i_p * C + o_c, b_db)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_k_kernel(
+    k, beta, w, gc, ls, xs, rs, s_dw, s_dL, s_db, dbeta,
+    cu_seqlens, chunk_indices, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
+    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, WHOLE: tl.constexpr,
+):
+    """Phase B: the contractions over K, row block by row block (dw is overwritten with dkg). With
+    WHOLE, gc holds cumulative gates from the chunk start (the whole-chunk stage 1), and dAkk leaves
+    with its transpose in its upper triangle (for kda_bwd_gate_block_kernel)."""
+    _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1, False)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
+    i_h = i_hv // (HV // H)
+    o_i = tl.arange(0, 16)
+    o_c = tl.arange(0, C)
+    NC: tl.constexpr = C // 16
+    ls += i_p * C * C
+    xs += i_p * C * C
+    rs += i_p * 2 * C
+    s_dL += i_p * C * C
+    s_db += i_p * C
+    for r in range(NC):
+        tr = t0 + 16 * r
+        b_b = load_beta(beta, bos, tr, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)
+        b_rk = tl.load(rs + C + 16 * r + o_i)
+        b_Xc = _xcol(xs, r, C, o_c, o_i)
+        b_dL = tl.load(s_dL + (16 * r + o_i)[:, None] * C + o_c[None, :])  # [16, C]
+        b_db = tl.load(s_db + 16 * r + o_i)
+        for s in range(0, BK, BS):
+            o_d = s + tl.arange(0, BS)
+            # rows of earlier blocks already hold dkg: X is zero there, so they are not read
+            b_dwC = tl.load(s_dw + (bos + t0 + o_c).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :],
+                            mask=((o_c >= 16 * r) & (t0 + o_c < T_seq))[:, None] & (o_d < K)[None, :], other=0.0)
+            b_bw = prod(tl.trans(b_Xc), b_dwC, PREC)  # [16, BS]
+            b_G = cum_gates(gc, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+            if not WHOLE:  # block-local sums: add the blocks before
+                b_G += block_sums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, r)[None, :]
+            b_kg = load_tile(k, bos, tr, T_seq, i_h, H, K, o_i, o_d) * b_rk[:, None] * tl.exp2(b_G)
+            b_db += tl.sum(b_kg * b_bw, 1)
+            b_dL -= prod(b_bw, tl.trans(load_tile(w, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)), PREC)
+            tl.debug_barrier()  # every thread has read rows r.. of dw before they become dkg
+            store_tile(s_dw, b_b[:, None] * b_bw, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
+        m_low = (16 * r + o_i)[:, None] > o_c[None, :]
+        b_dL = tl.where(m_low, b_dL, 0.0)
+        b_Akk = tl.load(ls + (16 * r + o_i)[:, None] * C + o_c[None, :], mask=m_low, other=0.0)
+        b_db += tl.sum(b_dL * b_Akk, 1)
+        b_dL = b_b[:, None] * b_dL  # dAkk
+        if WHOLE:  # this block's rows up to the diagonal, and transposed above it (in rows read before)
+            o_r = 16 * r + o_i
+            tl.store(s_dL + o_r[:, None] * C + o_c[None, :], b_dL, mask=o_r[:, None] >= o_c[None, :])
+            tl.store(s_dL + o_c[None, :] * C + o_r[:, None], b_dL, mask=m_low)
+        else:
+            tl.store(s_dL + (16 * r + o_i)[:, None] * C + o_c[None, :], b_dL)
+        # beta: through the sigmoid of the logits when it runs in the kernel
+        o_t = tr + o_i
+        m_t = o_t < T_seq
+        p_b = beta + (bos + o_t).to(tl.int64) * HV + i_hv
+        if SIGMOID:
+            b_x = tl.load(p_b, mask=m_t, other=0.0).to(tl.float32)
+            b_db = b_db * BETA_SCALE * tl.sigmoid(b_x) * tl.sigmoid(-b_x)
+        tl.store(dbeta + (bos + o_t).to(tl.int64) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)

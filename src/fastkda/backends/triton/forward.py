@@ -1,0 +1,145 @@
+"""The chunk forward on the host: stage 1 (gates, intra-chunk products, the inverse, w/u) and the
+state scan, launched as the call's ``ChunkPlan`` says.
+
+Stage 1 writes per chunk (docs/math.md section 2; exponents base 2):
+
+    w   = X (beta k e^G)          [C, K]   u  = X (beta v)      [C, V]
+    qg  = scale q e^G             [C, K]   kd = k e^(G_last-G)  [C, K]
+    Aqk (j <= i, times scale)     [C, C]   gl = e^(G_last)      [K] (float32)
+
+``stage1_intra`` launches gates, intra and inverse (what the training forward keeps for the
+backward); ``stage1_wu`` the w/u kernel (which the backward recomputes, with the scan).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ...alloc import new_empty
+from ...options import GateMode, KDAInputs, KDAOptions
+from .chunk_gates import kda_fwd_gates_kernel
+from .common import chunk_grid, chunk_tables, chunk_tables_static, gate_launch, launch
+from .intra import kda_fwd_intra_chunk_kernel, kda_fwd_intra_kernel
+from .plan import ChunkPlan, ScanPlan, Stage1Plan, cdiv
+from .scan import fwd_scan
+from .wy import kda_fwd_inverse_kernel, kda_fwd_wu_kernel
+
+
+class Stage1(NamedTuple):
+    """What stage 1 leaves for the scan and for the backward (float32 scratches unless said)."""
+
+    w: torch.Tensor | None  # [B, T, HV, K] input dtype (None until stage1_wu)
+    u: torch.Tensor | None  # [B, T, HV, V] input dtype (None: the scan forms u itself)
+    qg: torch.Tensor | None  # [B, T, HV, K] input dtype
+    kd: torch.Tensor | None  # [B, T, HV, K] input dtype
+    Aqk: torch.Tensor  # [B, T, HV, C] input dtype
+    gl: torch.Tensor  # chunk decays                                    [NT, HV, K]
+    gc: torch.Tensor  # cumulative gates (block-local; from the chunk start on the whole-chunk path) [B, T, HV, K]
+    ga: torch.Tensor | None  # activated gates (block path only)         [B, T, HV, K]
+    ls: torch.Tensor  # Akk, lower blocks                               [NT, HV, C, C]
+    xs: torch.Tensor  # X = (I + Diag(beta) Akk)^-1, lower blocks       [NT, HV, C, C] (plan's x_dtype)
+    rs: torch.Tensor  # 1/|q|, 1/|k| of every row                       [NT, HV, 2, C]
+    chunk_indices: torch.Tensor | None
+    chunk_offsets: torch.Tensor | None
+    NT_total: int
+    gd: torch.Tensor | None = None  # exact sums: gc's rounding errors (float16; split passes: some chunks)
+    gok: torch.Tensor | None = None  # exact sums: the form of each chunk's diagonal blocks  [NT, HV] int32
+    xh: torch.Tensor | None = None  # X in bfloat16 for the w/u kernel (training)  [NT, HV, C, C]
+
+
+def chunk_count(opts: KDAOptions, cu_seqlens, cu_host) -> int:
+    """Chunk slots of a call's grids (the plan's ``chunks``)."""
+    return chunk_tables_of(opts, cu_seqlens, cu_host)[2]
+
+
+def chunk_tables_of(opts: KDAOptions, cu_seqlens, cu_host) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """(chunk_indices, chunk_offsets, total chunks) of a call: the varlen tables (kept by the
+    sequence lengths; with use_graph built on the device in fixed sizes), or None for a dense batch."""
+    if opts.graph:  # cu_seqlens: common.graph_seqlens's boundaries
+        return chunk_tables_static(cu_seqlens, opts.shape.N, opts.shape.T, opts.chunk_size)
+    if cu_seqlens is not None:
+        return chunk_tables(cu_host, opts.chunk_size, cu_seqlens.device)
+    return None, None, opts.shape.B * cdiv(opts.shape.T, opts.chunk_size)
+
+
+def _where(opts: KDAOptions, s1: Stage1Plan, chunk_indices, cu_seqlens) -> dict:
+    return dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=opts.shape.T, HV=opts.shape.HV,
+                C=opts.chunk_size, IS_VARLEN=cu_seqlens is not None, HEADS_FIRST=s1.heads_first)
+
+
+def stage1_intra(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs) -> Stage1:
+    """Gates, intra-chunk products and the inverse: a ``Stage1`` without w, u, qg, kd."""
+    s, C, s1 = opts.shape, opts.chunk_size, plan.stage1
+    B, T, H, HV, K = s.B, s.T, s.H, s.HV, s.K
+    if s1.whole and not opts.safe_gate and opts.gate == GateMode.PREGATED:
+        raise ValueError("the whole-chunk path needs gates activated in the kernel (non-positive)")
+    chunk_indices, chunk_offsets, NT = chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu)
+    dev, dt = x.q.device, x.q.dtype
+    f32 = dict(dtype=torch.float32, device=dev)
+    p = Stage1(
+        w=None, u=None, qg=None, kd=None, Aqk=new_empty(B, T, HV, C, dtype=dt, device=dev),
+        gl=new_empty(NT, HV, K, **f32), gc=new_empty(B, T, HV, K, **f32),
+        ga=None if s1.whole else new_empty(B, T, HV, K, **f32), ls=new_empty(NT, HV, C, C, **f32),
+        xs=new_empty(NT, HV, C, C, dtype=s1.x_dtype, device=dev), rs=new_empty(NT, HV, 2, C, **f32),
+        chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, NT_total=NT,
+        gd=new_empty(B, T, HV, K, dtype=torch.float16, device=dev) if s1.exact_sums else None,
+        gok=new_empty(NT, HV, dtype=torch.int32, device=dev) if s1.exact_sums else None,
+        xh=new_empty(NT, HV, C, C, dtype=torch.bfloat16, device=dev) if s1.x_copy else None)
+    if NT == 0:
+        return p
+    NC = C // 16
+    where = _where(opts, s1, chunk_indices, x.cu_seqlens)
+    launch(kda_fwd_gates_kernel, chunk_grid(NT * (1 if s1.whole else NC), HV, s1.heads_first),
+           x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.ga, p.gd, p.gok, p.gl, p.rs, H=H, K=K, BK=s1.BK, BS=s1.gates_bs,
+           L2NORM=opts.qk_l2norm, WHOLE=s1.whole, EXACT_SUMS=s1.exact_sums, SPLIT=s1.split, FAST=s1.softplus_form,
+           **gate_launch(opts, x.A_log, x.dt_bias), **where, **s1.gates.kwargs())
+    if s1.whole:
+        for exact, select in s1.passes:
+            launch(kda_fwd_intra_chunk_kernel, chunk_grid(NT * 2, HV, s1.heads_first),
+                   x.q, x.k, p.gc, p.gd, p.gok, p.rs, p.Aqk, p.ls, scale=opts.scale, H=H, K=K, BK=s1.BK,
+                   BS=s1.intra_bs, PREC=s1.intra_prec, EXACT_SUMS=exact, SELECT=select, L2NORM=opts.qk_l2norm,
+                   **where, **s1.intra.kwargs())
+    else:
+        launch(kda_fwd_intra_kernel, chunk_grid(NT * NC, HV, s1.heads_first),
+               x.q, x.k, p.gc, p.ga, p.rs, p.Aqk, p.ls, scale=opts.scale, H=H, K=K, BK=s1.BK, BS=s1.intra_bs,
+               SAFE=opts.safe_gate, PREC=s1.intra_prec, **where, **s1.intra.kwargs())
+    launch(kda_fwd_inverse_kernel, chunk_grid(NT, HV, s1.heads_first),
+           x.beta, p.gc, p.ls, p.xs, p.xh, p.gl, K=K, BK=s1.BK, BS=s1.BS, STORE_DECAY=not s1.whole,
+           SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, X_COPY=s1.x_copy, **where, **s1.inverse.kwargs())
+    return p
+
+
+def stage1_wu(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, p: Stage1, x: KDAInputs) -> Stage1:
+    """The rest of stage 1: w, q e^G, k e^(G_last - G) and, unless the scan forms it, u."""
+    s, s1 = opts.shape, plan.stage1
+    B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
+    dev, dt = x.q.device, x.q.dtype
+    w, qg, kd = (new_empty(B, T, HV, K, dtype=dt, device=dev) for _ in range(3))
+    u = None if scan.form_u else new_empty(B, T, HV, V, dtype=dt, device=dev)
+    if p.NT_total > 0:
+        NSK, NSV = cdiv(K, s1.wu_bs), 0 if scan.form_u else cdiv(V, s1.wu_bs)
+        launch(kda_fwd_wu_kernel, chunk_grid(p.NT_total * (NSK + NSV), HV, s1.heads_first),
+               x.q, x.k, x.v, x.beta, p.gc, p.ga, p.gd, p.gok, p.rs, wu_x(p), w, u, qg, kd, scale=opts.scale, H=H,
+               K=K, V=V, BS=s1.wu_bs, NSK=NSK, NSV=NSV, PREC=s1.wu_prec, WHOLE=s1.whole, EXACT_SUMS=s1.exact_sums,
+               SPLIT=s1.split, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
+               **_where(opts, s1, p.chunk_indices, x.cu_seqlens), **s1.wu.kwargs())
+    return p._replace(w=w, u=u, qg=qg, kd=kd)
+
+
+def wu_x(p: Stage1) -> torch.Tensor:
+    """The X that the w/u products read (and the scan's, where it forms u): the bfloat16 copy if any."""
+    return p.xs if p.xh is None else p.xh
+
+
+def forward_stages(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, x: KDAInputs, intra: Stage1 | None = None):
+    """Stage 1 and the scan on contiguous inputs: (stage 1's output, o, final_state, h, v') as
+    ``scan`` says (the plan's ``forward`` or ``recompute``). ``intra``: the output of
+    ``stage1_intra`` kept from the forward, from which only stage1_wu and the scan run."""
+    if intra is None:
+        intra = stage1_intra(opts, plan, x)
+    p = stage1_wu(opts, plan, scan, intra, x)
+    o, ht, h, vn = fwd_scan(opts, plan, scan, p.w, p.u, wu_x(p), p.qg, p.kd, p.Aqk, p.gl, p.chunk_indices,
+                            p.chunk_offsets, p.NT_total, x)
+    return p, o, ht, h, vn

@@ -1,0 +1,37 @@
+"""Forward output, chunk-parallel: o = qg S + Aqk v' from the states the scan stored (used where
+the scan is long and its programs few, so that o leaves the scan's serial loop)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import chunk_program
+from .tiles import as_operand
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_fwd_output_kernel(
+    qg, Aqk, h, vn, o, cu_seqlens, chunk_indices, T,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NV: tl.constexpr, IS_VARLEN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
+):
+    """o = qg S + Aqk v' of one chunk and BV value columns, chunk-parallel, from the state entering
+    the chunk (h [chunks, HV, K, V], written by the scan) and v'."""
+    i_v, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NV, False)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t = (t0 + o_c) < T_seq
+    r_t = (bos + t0 + o_c).to(tl.int64)[:, None] * HV + i_hv
+    m_tv = m_t[:, None] & (o_v < V)[None, :]
+    b_qg = as_operand(tl.load(qg + r_t * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0), DT, EMU)
+    b_A = as_operand(tl.load(Aqk + r_t * C + o_c[None, :], mask=m_t[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0),
+              DT, EMU)
+    b_h = as_operand(tl.load(h + i_p * K * V + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & (o_v < V)[None, :],
+                      other=0.0), DT, EMU)
+    b_vn = as_operand(tl.load(vn + r_t * V + o_v[None, :], mask=m_tv, other=0.0), DT, EMU)
+    b_o = tl.dot(b_qg, b_h, input_precision=PREC) + tl.dot(b_A, b_vn, input_precision=PREC)
+    tl.store(o + r_t * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)

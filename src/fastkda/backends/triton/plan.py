@@ -1,0 +1,470 @@
+"""The launch plan of a call: which path, which precisions, which launches, decided in one place.
+
+``chunk_plan`` is a pure function of (options, input dtype, training or not, chunk count, device
+facts, tuning): the kernel modules launch what its ``ChunkPlan`` says and decide nothing.
+``decode_plan`` does the same for decoding. ``Tuning`` holds every tuning default; ``tuned``
+overrides fields for the calls inside a ``with`` block (this thread or task only), for experiments
+and tests. ``fastkda.explain`` prints a call's plan. The reasons behind the defaults are in
+docs/kernels.md; their measurements in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple
+
+import torch
+import triton.language as tl
+
+from ... import platform
+from ...options import GateMode, KDAOptions
+
+
+class Launch(NamedTuple):
+    """Launch options of one kernel: warps, pipeline stages, register cap (None: the compiler's)."""
+
+    warps: int
+    stages: int | None = 1  # None: Triton's default
+    maxnreg: int | None = None
+
+    def kwargs(self) -> dict:
+        kw = dict(num_warps=self.warps)
+        if self.stages is not None:
+            kw["num_stages"] = self.stages
+        if self.maxnreg:
+            kw["maxnreg"] = self.maxnreg
+        return kw
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Tuning defaults of the Triton kernels (K, V <= 128 unless said; wider features take at least
+    4 warps and no register cap). Paths and precisions here change the numbers within the error
+    budget of docs/kernels.md; the rest only the speed."""
+
+    # stage 1: which path
+    whole_unbounded: bool = True  # gates activated in the kernel, unbounded, take the whole-chunk path
+    split_unbounded: bool = True  # 16-bit inputs: chunks with small sums in launches of their own
+    bf16_products: bool = True  # bfloat16 inputs: whole-chunk intra products from bfloat16 operands
+    x_bf16: bool = True  # bfloat16 inputs, inference: X stored as bfloat16, bfloat16 w/u products
+    x_bf16_train: bool = True  # and in training a bfloat16 copy of X for the w/u kernel
+    fast_softplus: bool = True  # 16-bit inputs: the fast softplus form (common.softplus)
+    heads_first: bool = True  # stage-1 grids: value heads vary fastest (common.chunk_grid)
+    # stage 1: launches (warps, stages, register cap) and feature columns per tile
+    gates: Launch = Launch(4)
+    gates_whole: Launch = Launch(2)
+    intra: Launch = Launch(2, 1, 128)
+    intra_whole: Launch = Launch(4)
+    inverse: Launch = Launch(2)
+    wu: Launch = Launch(8)
+    wu_x16: Launch = Launch(4)
+    slice: int = 32
+    gates_slice: int = 32
+    gates_slice_whole: int = 16
+    intra_whole_slice: int = 64
+    wu_slice: int = 32
+    wu_slice_x16: int = 64
+    # forward scan
+    scan_bv: int = 64
+    scan_bv_narrow: int = 32  # where scan_bv-wide programs would fill at most half the SMs
+    scan_bv_wide_keys: int = 64  # K > 128
+    scan_bv_crowded: int | None = None  # where scan_bv-wide programs outnumber the SMs (None: scan_bv)
+    scan_warps: int = 4
+    scan_stages: int = 3
+    scan_stages_crowded: int = 1
+    u_in_scan: bool | str = "crowded"  # the scan forms u itself: True, False or "crowded"
+    split_min_chunks: int | None = 64  # o from its own kernel: long sequences (None: never) ...
+    split_max_programs: int = 64  # ... and few scan programs
+    output_bv: int = 64
+    output: Launch = Launch(4, None)
+    # backward
+    exact_pairs: bool | None = None  # block path's within-block pair sums exactly (None: float32 only)
+    whole_backward: bool | None = None  # whole-chunk backward for the gates it serves (None: bfloat16)
+    bwd_scan_bv: int = 64
+    bwd_scan_bv_crowded: int | None = 128
+    bwd_scan_warps: int = 8
+    bwd_scan_stages: int = 3
+    bwd_v: Launch = Launch(4)
+    bwd_k: Launch = Launch(2, 1, 168)
+    bwd_gate: Launch = Launch(2, 1, 128)
+    bwd_gate_block: Launch = Launch(1)
+    bwd_dg: Launch = Launch(4)
+    bwd_state_slice: int = 32
+    bwd_gate_block_slice: int = 32
+    bwd_dg_slice: int = 64
+    bwd_qk_rows: int = 16
+    # decoding and the elementwise gate kernels
+    decode_bv: int = 16
+    decode_warps: int = 1
+    decode_wide: tuple[int, int] = (32, 4)  # (BV, warps) for K > 128
+    decode_check_rows: int = 256  # sequences per step of the slot check
+    decode_slot_check: bool = True  # the device-side slot check kernel (the write kernels bound slots anyway)
+    gate_rows: int = 32
+    # device facts (None: the device's own)
+    sm_count: int | None = None
+
+    def __post_init__(self):  # plans are cached by their inputs: hash the many fields once
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+# the products' precision per input dtype in the gate-gradient kernel of the whole-chunk path: a
+# pair term enters dg twice, rounded apart; unbounded gates weigh the residue by |y| in dA_log
+PAIR_PREC = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"}
+PAIR_PREC_UNBOUNDED = {torch.bfloat16: "tf32x3", torch.float16: "tf32x3", torch.float32: "ieee"}
+
+_TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("fastkda_triton_tuning", default=Tuning())
+
+
+def current_tuning() -> Tuning:
+    return _TUNING.get()
+
+
+@contextlib.contextmanager
+def tuned(**changes) -> Iterator[Tuning]:
+    """Override ``Tuning`` fields for the calls made inside the block (this thread or task only)."""
+    names = {f.name for f in dataclasses.fields(Tuning)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise TypeError(f"tuned(): unknown Tuning fields {unknown}")
+    token = _TUNING.set(dataclasses.replace(_TUNING.get(), **changes))
+    try:
+        yield _TUNING.get()
+    finally:
+        _TUNING.reset(token)
+
+
+class Device(NamedTuple):
+    """The facts of the device a plan depends on."""
+
+    sm_count: int
+    interpret: bool  # the Triton interpreter (CPU tensors): plain tl twins, emulated bfloat16 products
+
+
+def device_facts(dev: torch.device, tuning: Tuning) -> Device:
+    sms = tuning.sm_count if tuning.sm_count is not None else platform.sm_count(dev)
+    return Device(sms, platform.triton_interpret())
+
+
+# ------------------------------------------------------------------------------------------------
+# small host helpers
+
+
+def pow2(n: int, lo: int = 16) -> int:
+    """The smallest power of two >= n, at least lo (plain Python: microseconds per call matter)."""
+    return max(lo, 1 << max(int(n) - 1, 0).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative a and positive b."""
+    return -(-a // b)
+
+
+class Dot(NamedTuple):
+    """Matrix products for inputs of one dtype: operand dtype, input precision, and whether bfloat16
+    products are emulated (the interpreter's are wrong: common.as_operand)."""
+
+    dtype: object
+    prec: str
+    emulate: bool
+
+
+def dot_for(dtype: torch.dtype, interpret: bool) -> Dot:
+    if dtype in (torch.bfloat16, torch.float16):
+        dt = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+        return Dot(dt, "tf32", interpret and dtype == torch.bfloat16)
+    return Dot(tl.float32, "ieee", False)
+
+
+def _bf16_prec(interpret: bool) -> str:
+    """tiles.prod's precision for bfloat16 operands (emulated under the interpreter)."""
+    return "bf16_emulated" if interpret else "bf16"
+
+
+def _wide(launch: Launch, BK: int, BV: int) -> Launch:
+    """At least 4 warps and no register cap for features beyond 128 (the tiles grow with them)."""
+    if max(BK, BV) > 128:
+        return Launch(max(launch.warps, 4), launch.stages, None)
+    return launch
+
+
+def scan_stages(stages: int, BK: int, BV: int, elem_size: int) -> int:
+    """Pipeline stages of a state scan: ``stages`` for K <= 128 and 16-bit operands, at most 2 for
+    float32 (twice the shared memory), 1 for wider keys; one fewer beyond 64 value columns (one for
+    float32), within the 227 KB of shared memory of a Hopper SM."""
+    if BK > 128:
+        return 1
+    stages = stages if elem_size <= 2 else min(stages, 2)
+    return stages if BV <= 64 else max(1, stages - 1 if elem_size <= 2 else 1)
+
+
+def scan_warps(warps: int, BK: int, BV: int) -> int:
+    """Warps of a state scan's program: ``warps`` up to a [128, 64] state, 8 beyond (registers)."""
+    return warps if BK * BV <= 128 * 64 else max(warps, 8)
+
+
+def softplus_form(dtype: torch.dtype, interpret: bool, tuning: Tuning) -> int:
+    """common.softplus's FAST for gate inputs of ``dtype``: 16-bit inputs the fast forms (the plain
+    tl twin under the interpreter), float32 the exact one."""
+    if not tuning.fast_softplus or dtype == torch.float32:
+        return 0
+    return 1 if interpret else 2
+
+
+# ------------------------------------------------------------------------------------------------
+# the chunk plan
+
+
+@dataclass(frozen=True)
+class Stage1Plan:
+    """Forward stage 1 (gates, intra-chunk products, the inverse, w/u): docs/kernels.md section 1."""
+
+    whole: bool  # the whole-chunk path (else the block path)
+    exact_sums: bool  # unbounded gates on the whole-chunk path: float32 sums plus rounding errors
+    passes: tuple  # (exact sums, select) of each launch of the split kernels (tiles.chunk_form)
+    heads_first: bool
+    softplus_form: int
+    prec: str  # the products' input precision (block path)
+    x_dtype: torch.dtype  # X as the inverse stores it
+    x_copy: bool  # and a bfloat16 copy for the w/u kernel (training)
+    BK: int
+    BS: int  # feature columns per tile (block path, inverse)
+    gates_bs: int
+    gates: Launch
+    intra_bs: int
+    intra_prec: str
+    intra: Launch
+    inverse: Launch
+    wu_bs: int
+    wu_prec: str  # the products w = X (beta k e^G), u = X (beta v) (and the scan's u)
+    wu: Launch
+
+    @property
+    def split(self) -> bool:
+        return len(self.passes) > 1
+
+
+@dataclass(frozen=True)
+class ScanPlan:
+    """Forward stage 2, the state scan (and the output kernel where o leaves it)."""
+
+    outputs: bool  # o and the final state
+    keep: bool  # h and v' for the backward (in the input dtype)
+    form_u: bool  # the scan forms u = X (beta v) itself (stage 1 leaves u out)
+    BV: int
+    launch: Launch
+    split_output: bool  # o from kda_fwd_output_kernel
+    output_bv: int
+    output: Launch
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """Backward stage 1 (state scan) and stage 2 (chunk-parallel gradients)."""
+
+    scan_bv: int
+    scan: Launch
+    BS: int
+    state_bs: int
+    v: Launch
+    k: Launch
+    whole: bool  # the whole-chunk gate gradients (kda_bwd_gate_block_kernel, kda_bwd_dg_kernel)
+    pair_prec: str
+    gate_block_bs: int
+    gate_block: Launch
+    dg_bs: int
+    dg: Launch
+    exact_pairs: bool  # block path: within-block pair sums exactly
+    diag_prec: str
+    gate: Launch
+    qk_rows: int
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    train: bool
+    dot: Dot
+    chunks: int  # chunk slots of the launch grids
+    stage1: Stage1Plan
+    forward: ScanPlan  # the call's own scan
+    recompute: ScanPlan | None  # training: the backward's recomputation of the scan
+    backward: BackwardPlan | None
+
+    def describe(self) -> str:
+        """The plan as text, one stage per line (what ``fastkda.explain`` prints)."""
+        s = self.stage1
+        lines = [f"chunk plan: {'training' if self.train else 'inference'}, {self.chunks} chunk slots, "
+                 f"products {self.dot.prec}"]
+        path = "whole-chunk" if s.whole else "block"
+        lines.append(f"  stage 1: {path} path" + (", exact gate sums" if s.exact_sums else "")
+                     + (f", {len(s.passes)} passes" if s.split else "") + f"; X {_name(s.x_dtype)}"
+                     + (" + bfloat16 copy" if s.x_copy else "") + f"; intra {s.intra_prec}, w/u {s.wu_prec}")
+        lines.append(f"    gates {s.gates_bs} cols {_fmt(s.gates)}; intra {s.intra_bs} cols {_fmt(s.intra)}; "
+                     f"inverse {_fmt(s.inverse)}; w/u {s.wu_bs} cols {_fmt(s.wu)}")
+        for name, sc in (("scan", self.forward), ("recompute scan", self.recompute)):
+            if sc is not None:
+                lines.append(f"  {name}: {sc.BV} value cols {_fmt(sc.launch)}" + ("; forms u" if sc.form_u else "")
+                             + ("; keeps h, v'" if sc.keep else "")
+                             + (f"; o from the output kernel ({sc.output_bv} cols)" if sc.split_output else ""))
+        b = self.backward
+        if b is not None:
+            lines.append(f"  backward scan: {b.scan_bv} value cols {_fmt(b.scan)}")
+            gates = (f"whole-chunk gate gradients ({b.pair_prec} pairs, {b.gate_block_bs} cols {_fmt(b.gate_block)}; "
+                     f"dg {b.dg_bs} cols {_fmt(b.dg)})" if b.whole else
+                     f"block gate gradients ({'exact' if b.exact_pairs else 'row/column'} pair sums, "
+                     f"diagonal {b.diag_prec}, {_fmt(b.gate)})")
+            lines.append(f"  backward chunk: dv {_fmt(b.v)}, dk {_fmt(b.k)}; {gates}")
+        return "\n".join(lines)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _fmt(launch: Launch) -> str:
+    stages = f", {launch.stages} stages" if launch.stages is not None else ""
+    cap = f", <= {launch.maxnreg} regs" if launch.maxnreg else ""
+    return f"({launch.warps} warps{stages}{cap})"
+
+
+def whole_gates(opts: KDAOptions, tuning: Tuning) -> bool:
+    """Gates the whole-chunk path serves: bounded ones (safe_gate) or any gate activated in the
+    kernel (non-positive by construction)."""
+    return opts.safe_gate or (tuning.whole_unbounded and opts.gate != GateMode.PREGATED)
+
+
+def whole_backward(opts: KDAOptions, dtype: torch.dtype, tuning: Tuning) -> bool:
+    """Whether the backward takes the whole-chunk path (and so the training forward's stage 1)."""
+    if not whole_gates(opts, tuning):
+        return False
+    if tuning.whole_backward is not None:
+        return tuning.whole_backward
+    return dtype == torch.bfloat16 and not tuning.exact_pairs
+
+
+def _scan_programs(opts: KDAOptions, BV: int) -> int:
+    s = opts.shape
+    return cdiv(s.V, BV) * s.N * s.HV
+
+
+def scan_bv(opts: KDAOptions, sms: int, tuning: Tuning) -> int:
+    """Value columns per forward-scan program: narrow where wide programs would fill at most half
+    the SMs (each program is one chain of dependent products), wider where they crowd them; K > 128
+    takes scan_bv_wide_keys (32 columns over several programs per head gave wrong states there on
+    Triton 3.6)."""
+    s = opts.shape
+    if s.K > 128:
+        bv = tuning.scan_bv_wide_keys
+    elif _scan_programs(opts, tuning.scan_bv) <= sms // 2:
+        bv = tuning.scan_bv_narrow
+    elif tuning.scan_bv_crowded and _scan_programs(opts, tuning.scan_bv) > sms:
+        bv = tuning.scan_bv_crowded
+    else:
+        bv = tuning.scan_bv
+    return min(pow2(s.V), bv)
+
+
+def _stage1(opts: KDAOptions, dtype: torch.dtype, train: bool, dev: Device, tuning: Tuning, dot: Dot) -> Stage1Plan:
+    s = opts.shape
+    whole = whole_gates(opts, tuning) and (not train or whole_backward(opts, dtype, tuning))
+    exact = whole and not opts.safe_gate
+    passes = ((False, 1), (True, 2)) if exact and tuning.split_unbounded and dtype != torch.float32 else ((exact, 0),)
+    x16 = tuning.x_bf16 and dtype == torch.bfloat16
+    x_dtype = torch.bfloat16 if x16 and not train else torch.float32
+    x_copy = x16 and train and tuning.x_bf16_train
+    low = x_dtype != torch.float32 or x_copy  # the w/u kernel reads X in bfloat16
+    BK, BV = pow2(s.K), pow2(s.V)
+    BS = min(tuning.slice, BK, BV)
+    intra_prec = _bf16_prec(dev.interpret) if whole and tuning.bf16_products and dtype == torch.bfloat16 else dot.prec
+    return Stage1Plan(
+        whole=whole, exact_sums=exact, passes=passes, heads_first=tuning.heads_first,
+        softplus_form=softplus_form(dtype, dev.interpret, tuning), prec=dot.prec, x_dtype=x_dtype, x_copy=x_copy,
+        BK=BK, BS=BS,
+        # gates, intra and inverse do not see V: their warps follow K alone
+        gates_bs=min(tuning.gates_slice_whole if whole else tuning.gates_slice, BS),
+        gates=_wide(tuning.gates_whole if whole else tuning.gates, BK, BK),
+        intra_bs=min(tuning.intra_whole_slice, BK) if whole else BS, intra_prec=intra_prec,
+        intra=_wide(tuning.intra_whole if whole else tuning.intra, BK, BK),
+        inverse=_wide(tuning.inverse, BK, BK),
+        wu_bs=min(tuning.wu_slice_x16 if low else tuning.wu_slice, BK, BV),
+        wu_prec=_bf16_prec(dev.interpret) if low else dot.prec,
+        wu=_wide(tuning.wu_x16 if low else tuning.wu, BK, BV))
+
+
+def _scan(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, chunks: int, outputs: bool, keep: bool, dev: Device,
+          tuning: Tuning) -> ScanPlan:
+    s = opts.shape
+    BK = pow2(s.K)
+    BV = scan_bv(opts, dev.sm_count, tuning)
+    crowded = _scan_programs(opts, BV) > dev.sm_count
+    # u in the scan: not where u is kept for the backward, nor for 16-bit inputs with float32 X (that
+    # tf32 product beside the scan's 16-bit ones faulted on the H200 for float16, Triton 3.6)
+    form_u = False
+    if tuning.u_in_scan and not keep and (dtype == torch.float32 or s1.x_dtype != torch.float32 or s1.x_copy):
+        form_u = crowded if tuning.u_in_scan == "crowded" else True
+    split = (outputs and not keep and tuning.split_min_chunks is not None and not opts.return_intermediate_states
+             and s.N > 0 and chunks >= tuning.split_min_chunks * s.N
+             and _scan_programs(opts, tuning.scan_bv) <= tuning.split_max_programs)
+    elem = dtype.itemsize
+    stages = scan_stages(tuning.scan_stages_crowded if crowded else tuning.scan_stages, BK, BV, elem)
+    return ScanPlan(outputs=outputs, keep=keep, form_u=form_u, BV=BV,
+                    launch=Launch(scan_warps(tuning.scan_warps, BK, BV), stages),
+                    split_output=split, output_bv=min(pow2(s.V), tuning.output_bv), output=tuning.output)
+
+
+def _backward(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, dev: Device, tuning: Tuning,
+              dot: Dot) -> BackwardPlan:
+    s = opts.shape
+    BK, BV = pow2(s.K), pow2(s.V)
+    bv = min(BV, tuning.bwd_scan_bv if BK <= 128 else 32)  # wider keys: fewer registers per program
+    if BK <= 128 and tuning.bwd_scan_bv_crowded and cdiv(s.V, bv) * s.N * s.HV > dev.sm_count:
+        bv = min(BV, tuning.bwd_scan_bv_crowded)
+    exact = tuning.exact_pairs if tuning.exact_pairs is not None else dtype == torch.float32
+    return BackwardPlan(
+        scan_bv=bv, scan=Launch(scan_warps(tuning.bwd_scan_warps, BK, bv),
+                                scan_stages(tuning.bwd_scan_stages, BK, bv, dtype.itemsize)),
+        BS=min(tuning.slice, BK, BV), state_bs=min(tuning.bwd_state_slice, BK),
+        v=_wide(tuning.bwd_v, BK, BV), k=_wide(tuning.bwd_k, BK, BV), whole=s1.whole,
+        pair_prec=(PAIR_PREC if opts.safe_gate else PAIR_PREC_UNBOUNDED)[dtype],
+        gate_block_bs=min(tuning.bwd_gate_block_slice, BK), gate_block=_wide(tuning.bwd_gate_block, BK, BV),
+        dg_bs=min(tuning.bwd_dg_slice, BK), dg=_wide(tuning.bwd_dg, BK, BV),
+        exact_pairs=exact, diag_prec=dot.prec if exact else "tf32x3", gate=_wide(tuning.bwd_gate, BK, BV),
+        qk_rows=tuning.bwd_qk_rows)
+
+
+@functools.lru_cache(maxsize=256)
+def chunk_plan(opts: KDAOptions, dtype: torch.dtype, train: bool, chunks: int, dev: Device,
+               tuning: Tuning) -> ChunkPlan:
+    """The plan of a chunk_kda call on inputs of ``dtype`` with ``chunks`` chunk slots (a pure
+    function; cached). ``train``: the forward of a training step, whose backward reads stage 1."""
+    dot = dot_for(dtype, dev.interpret)
+    s1 = _stage1(opts, dtype, train, dev, tuning, dot)
+    fwd = _scan(opts, dtype, s1, chunks, True, train and opts.disable_recompute, dev, tuning)
+    recompute = _scan(opts, dtype, s1, chunks, False, True, dev, tuning) if train else None
+    bwd = _backward(opts, dtype, s1, dev, tuning, dot) if train else None
+    return ChunkPlan(train=train, dot=dot, chunks=chunks, stage1=s1, forward=fwd, recompute=recompute, backward=bwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# decoding
+
+
+class DecodePlan(NamedTuple):
+    BK: int
+    BV: int
+    launch: Launch
+    check_rows: int
+    slot_check: bool
+
+
+@functools.lru_cache(maxsize=64)
+def decode_plan(K: int, tuning: Tuning) -> DecodePlan:
+    BK = pow2(K)
+    BV, warps = (tuning.decode_bv, tuning.decode_warps) if BK <= 128 else tuning.decode_wide
+    return DecodePlan(BK, BV, Launch(warps, None), tuning.decode_check_rows, tuning.decode_slot_check)

@@ -1,0 +1,191 @@
+"""The Triton backend's launch plan: table tests of the pure function ``plan.chunk_plan`` (shapes
+only: meta tensors), tuning overrides, and ``fastkda.explain`` printing a call's plan."""
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+from conftest import BACKENDS
+from helpers import plain_options
+
+from fastkda.backends.triton import plan as P
+from fastkda.options import GateMode
+from fastkda.testing import Case, make_inputs
+
+H200 = P.Device(sm_count=132, interpret=False)
+
+
+def opts_for(B, T, H, HV=None, K=128, V=128, dtype=torch.bfloat16, **kw):
+    """Options of a call on meta tensors of these shapes."""
+    HV = HV or H
+    t = torch.empty(B, T, H, K, device="meta", dtype=dtype)
+    tv = torch.empty(B, T, HV, V, device="meta", dtype=dtype)
+    g = torch.empty(B, T, HV, K, device="meta", dtype=dtype)
+    opts, _ = plain_options(dict(q=t, k=t, v=tv, g=g, beta=tv[..., 0]))
+    return dataclasses.replace(opts, **kw)
+
+
+def plan_for(opts, dtype=torch.bfloat16, train=False, dev=H200, **tuning):
+    s = opts.shape
+    return P.chunk_plan(opts, dtype, train, s.B * -(-s.T // opts.chunk_size), dev, P.Tuning(**tuning))
+
+
+@pytest.mark.parametrize("B,T,H,split", [(1, 32768, 16, True), (1, 8192, 64, False), (2, 8192, 64, False),
+                                         (1, 2048, 4, False)])
+def test_split_output_choice(B, T, H, split):
+    """o leaves the scan for the output kernel on long sequences over few scan programs only; never
+    with return_intermediate_states, nor in the backward's recomputation."""
+    assert plan_for(opts_for(B, T, H)).forward.split_output is split
+    assert not plan_for(opts_for(B, T, H, return_intermediate_states=True)).forward.split_output
+    assert not plan_for(opts_for(B, T, H), train=True).recompute.split_output
+    assert not plan_for(opts_for(B, T, H), split_min_chunks=None).forward.split_output
+
+
+@pytest.mark.parametrize("B,T,H,HV,bv,stages,stages32", [
+    (1, 32768, 16, 16, 32, 3, 2), (1, 8192, 32, 32, 32, 3, 2), (1, 8192, 64, 64, 64, 3, 2),
+    (2, 8192, 32, 32, 64, 3, 2), (1, 2048, 96, 96, 64, 1, 1), (2, 1024, 64, 64, 64, 1, 1),
+    (1, 1024, 66, 66, 64, 3, 2), (1, 1024, 67, 67, 64, 1, 1),
+    (1, 1024, 33, 33, 32, 3, 2), (1, 1024, 34, 34, 64, 3, 2), (1, 1024, 2, 64, 64, 3, 2), (1, 1024, 8, 32, 32, 3, 2)])
+def test_scan_width_choice(B, T, H, HV, bv, stages, stages32):
+    """The scan's value columns per program: narrow while wide programs (sequences x value heads x
+    V / 64) would fill at most half the SMs (132: 66 programs narrow, 68 wide), following the SM
+    count; keys wider than 128 keep 64 columns. Its pipeline stages: scan_stages_crowded (1) once
+    the programs outnumber the SMs (132 programs 3 stages, 134 one), at most 2 for float32 inputs.
+    With scan_bv_crowded (off by default) 128 columns where 64-column programs would outnumber the
+    SMs, one stage fewer (one for float32)."""
+    opts = opts_for(B, T, H, HV)
+    for dtype, want in ((torch.bfloat16, stages), (torch.float32, stages32)):
+        sc = plan_for(opts, dtype).forward
+        assert (sc.BV, sc.launch.stages) == (bv, want), dtype
+    wide = plan_for(opts, dev=P.Device(4 * 132, False)).forward  # four times the SMs: wide programs now too few
+    assert (wide.BV, wide.launch.stages) == (32 if B * HV * 2 <= 264 else 64, 3)
+    crowded = plan_for(opts, scan_bv_crowded=128).forward
+    if B * HV * 2 > 132:
+        assert crowded.BV == 128
+        assert crowded.launch.stages == (1 if B * HV > 132 else 2)
+        assert plan_for(opts, torch.float32, scan_bv_crowded=128).forward.launch.stages == 1
+    else:
+        assert crowded.BV == bv
+    assert plan_for(opts_for(B, T, H, HV, K=256)).forward.BV == 64
+
+
+@pytest.mark.parametrize("crowded", [None, 128])
+@pytest.mark.parametrize("sms", [8, 132, 528])
+def test_scan_narrow_never_crowded(sms, crowded):
+    """32-column scan programs always keep the pipelined loop: the plan picks them only where they
+    number at most the SMs, so never with scan_stages_crowded (32 columns at one stage faulted on
+    an H200, Triton 3.6); 128-column ones only where 64-column ones would outnumber the SMs. Every
+    value-head count until 64-column programs number about 4x the SMs."""
+    seen = set()
+    for hv in range(1, 2 * sms + 2):
+        opts = opts_for(1, 64, 1, hv)
+        sc = plan_for(opts, dev=P.Device(sms, False), scan_bv_crowded=crowded).forward
+        seen.add(sc.BV)
+        if sc.BV == 32:
+            assert 4 * hv <= sms, hv  # 32-column programs: at most one per SM
+            assert sc.launch.stages == P.Tuning().scan_stages, hv
+        assert (sc.BV == 128) == (crowded is not None and 2 * hv > sms), hv
+    assert seen == ({32, 64} if crowded is None else {32, 64, 128})
+
+
+@pytest.mark.parametrize("gate,safe,dtype,train,whole", [
+    ("pregated", False, torch.bfloat16, False, False), ("pregated", False, torch.bfloat16, True, False),
+    ("softplus", False, torch.bfloat16, False, True), ("softplus", False, torch.bfloat16, True, True),
+    ("softplus", False, torch.float32, False, True), ("softplus", False, torch.float32, True, False),
+    ("softplus", False, torch.float16, True, False), ("lowerbound", True, torch.bfloat16, True, True),
+    ("lowerbound", True, torch.float16, False, True), ("pregated", True, torch.float32, True, False)])
+def test_stage1_path(gate, safe, dtype, train, whole):
+    """Which path stage 1 takes: the whole-chunk one for bounded gates and gates activated in the
+    kernel, in inference, and in training where the backward takes it too (bfloat16); exact sums
+    (and split passes for 16-bit inputs) for unbounded gates on it; the backward follows stage 1."""
+    gates = {"pregated": GateMode.PREGATED, "softplus": GateMode.SOFTPLUS, "lowerbound": GateMode.LOWER_BOUND}
+    opts = opts_for(1, 256, 2, dtype=dtype, gate=gates[gate], safe_gate=safe,
+                    lower_bound=-5.0 if gate == "lowerbound" else None)
+    p = plan_for(opts, dtype, train=train)
+    assert p.stage1.whole is whole
+    assert p.stage1.exact_sums is (whole and not safe)
+    assert p.stage1.split is (whole and not safe and dtype != torch.float32)
+    if train:
+        assert p.backward.whole is whole
+    assert not plan_for(opts, dtype, train=train, whole_unbounded=False).stage1.whole or safe
+
+
+@pytest.mark.parametrize("dtype,train,x_dtype,copy,wu_prec", [
+    (torch.bfloat16, False, torch.bfloat16, False, "bf16"), (torch.bfloat16, True, torch.float32, True, "bf16"),
+    (torch.float16, False, torch.float32, False, "tf32"), (torch.float32, True, torch.float32, False, "ieee")])
+def test_x_precision(dtype, train, x_dtype, copy, wu_prec):
+    """X as the inverse stores it, its bfloat16 copy for training, and the w/u products' precision;
+    the interpreter emulates bfloat16 products."""
+    s1 = plan_for(opts_for(1, 256, 2, dtype=dtype), dtype, train=train).stage1
+    assert (s1.x_dtype, s1.x_copy, s1.wu_prec) == (x_dtype, copy, wu_prec)
+    emulated = plan_for(opts_for(1, 256, 2, dtype=dtype), dtype, train=train, dev=P.Device(132, True)).stage1
+    assert emulated.wu_prec == ("bf16_emulated" if wu_prec == "bf16" else wu_prec)
+
+
+def test_backward_precisions():
+    """The whole-chunk gate gradients' pair products: tf32 for bounded gates in bfloat16, tf32x3 for
+    unbounded ones (dA_log weighs their residue by |y|); the block path sums pairs exactly for
+    float32 only."""
+    safe = opts_for(1, 256, 2, gate=GateMode.LOWER_BOUND, safe_gate=True, lower_bound=-5.0)
+    soft = opts_for(1, 256, 2, gate=GateMode.SOFTPLUS)
+    assert plan_for(safe, train=True).backward.pair_prec == "tf32"
+    assert plan_for(soft, train=True).backward.pair_prec == "tf32x3"
+    assert plan_for(soft, torch.float32, train=True).backward.exact_pairs
+    assert not plan_for(soft, torch.float16, train=True).backward.exact_pairs
+    assert plan_for(soft, train=False).backward is None
+
+
+def test_plan_is_pure_and_cached():
+    """Same inputs, the same plan object; a tuning change, a different plan."""
+    opts = opts_for(1, 1024, 4)
+    assert plan_for(opts) is plan_for(opts)
+    assert plan_for(opts, scan_bv=32) is not plan_for(opts)
+    assert plan_for(opts, scan_bv=32) == plan_for(opts, scan_bv=32)
+
+
+def test_tuned_is_scoped():
+    """``tuned`` overrides for the block only, in this thread only; unknown fields are a TypeError."""
+    base = P.current_tuning()
+    seen = []
+    with P.tuned(scan_bv=32) as t:
+        assert P.current_tuning() is t and t.scan_bv == 32
+        with P.tuned(sm_count=7):
+            assert (P.current_tuning().scan_bv, P.current_tuning().sm_count) == (32, 7)
+        worker = threading.Thread(target=lambda: seen.append(P.current_tuning().scan_bv))
+        worker.start()
+        worker.join()
+    assert seen == [base.scan_bv]
+    assert P.current_tuning() == base
+    with pytest.raises(TypeError, match="scan_widht"):
+        with P.tuned(scan_widht=3):
+            pass
+
+
+def test_stage1_refuses_pregated_gates_on_whole_path():
+    """The whole-chunk path needs gates activated in the kernel (nothing bounds a pre-activated
+    gate's sign): a plan made for softplus gates refuses pre-activated ones before any launch."""
+    from fastkda.backends.triton.forward import stage1_intra
+
+    x = make_inputs(Case(T=20))
+    opts, inp = plain_options(x)
+    plan = plan_for(dataclasses.replace(opts, gate=GateMode.SOFTPLUS), torch.float32)
+    assert plan.stage1.whole
+    with pytest.raises(ValueError, match="gates activated in the kernel"):
+        stage1_intra(opts, plan, inp)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+def test_explain_shows_the_plan():
+    """``fastkda.explain`` names the backend and, for the Triton backend, prints the call's plan."""
+    import fastkda
+
+    x = make_inputs(Case(T=70, gate="softplus", dtype=torch.bfloat16), device="cpu")
+    with fastkda.use_backend("triton"):
+        e = fastkda.explain(fastkda.chunk_kda, **x)
+        backend, reasons = e
+        assert backend == "triton" and e.backend == "triton" and reasons
+        assert "stage 1: whole-chunk path" in e.plan and "scan:" in e.plan and "backward" not in e.plan
+        xt = {**x, "q": x["q"].clone().requires_grad_(True)}
+        assert "backward chunk" in fastkda.explain(fastkda.chunk_kda, **xt).plan
+        assert "chunk plan" in str(e)
