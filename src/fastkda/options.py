@@ -8,18 +8,20 @@ value before any work is done. Nothing below this module re-checks arguments.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import numbers
 import threading
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import torch
 
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-INDEX_DTYPES = (torch.int32, torch.int64)
+from .dtypes import FLOAT_DTYPES, INDEX_DTYPES, state_dtype  # noqa: F401  (state_dtype: re-exported)
+
 MAX_K = 256
 
 
@@ -324,12 +326,6 @@ def _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values: 
     return KDAShape(B, T, H, HV, K, V, N), scale, cu_host
 
 
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the states (initial, final, carried) for inputs of ``dtype``: float32, or
-    float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _state(name: str, h: torch.Tensor, lead: int | None, shape: KDAShape, state_v_first: bool, q: torch.Tensor):
     """A state tensor [lead, HV, K, V] (or [.., V, K]); lead None accepts any slot count."""
     tail = (shape.HV, shape.V, shape.K) if state_v_first else (shape.HV, shape.K, shape.V)
@@ -342,6 +338,55 @@ def _state(name: str, h: torch.Tensor, lead: int | None, shape: KDAShape, state_
     if h.dtype not in allowed:
         raise ValueError(f"`{name}` must be float32 (states are kept in float32), got {h.dtype}")
     _same_device(q, **{name: h})
+
+
+def state_layout(state_v_first, transpose_state_layout):
+    """state_v_first, or fla-core's former name for it, ``transpose_state_layout`` (deprecated; the
+    warning names the caller of the public operator)."""
+    if transpose_state_layout is None:
+        return state_v_first
+    if not isinstance(transpose_state_layout, bool):
+        raise TypeError(f"`transpose_state_layout` must be a bool, got {type(transpose_state_layout).__name__}")
+    if state_v_first:
+        raise ValueError("pass `state_v_first` or the deprecated `transpose_state_layout`, not both")
+    warnings.warn("`transpose_state_layout` is deprecated: it is `state_v_first`", DeprecationWarning, stacklevel=3)
+    return transpose_state_layout
+
+
+_AUTOCAST_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def autocast_qkv(q, k, v):
+    """Under torch.autocast, q/k/v take the autocast dtype (like a matmul's operands); the op
+    itself then runs with autocast off. Returns (q, k, v, context)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return q, k, v, contextlib.nullcontext()
+    dev = q.device.type
+    try:
+        enabled = torch.is_autocast_enabled(dev)
+    except (TypeError, RuntimeError):  # device types without autocast
+        enabled = False
+    if not enabled:
+        return q, k, v, contextlib.nullcontext()
+    dt = torch.get_autocast_dtype(dev)
+    q, k, v = (t.to(dt) if t.dtype in _AUTOCAST_CASTABLE else t for t in (q, k, v))
+    return q, k, v, torch.autocast(dev, enabled=False)
+
+
+def check_writable(name: str, t: torch.Tensor) -> None:
+    """ValueError unless the elements of ``t`` lie at distinct addresses (dims ordered by stride,
+    each stride passes the extent of the smaller ones), as a tensor written in place must."""
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1)
+    if any(n == 0 for _, n in dims):
+        return
+    extent = 0
+    for st, n in dims:
+        if st <= extent:
+            raise ValueError(
+                f"`{name}` is written in place (inplace_final_state=True) but elements of it overlap in memory "
+                f"(shape {list(t.shape)}, stride {tuple(t.stride())}: an expanded or self-overlapping view); "
+                f"pass a tensor that owns its elements (e.g. `{name}.clone()`)")
+        extent += st * (n - 1)
 
 
 def _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, use_gate_in_kernel=False):
