@@ -12,15 +12,15 @@ import contextlib
 import enum
 import math
 import numbers
-import threading
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from .dtypes import FLOAT_DTYPES, INDEX_DTYPES, state_dtype  # noqa: F401  (state_dtype: re-exported)
+# the host side of cu_seqlens (reading, checking, the cache of derived tables); its names, re-exported
+from .seqlens import DERIVED_ENTRIES, check_seqlens, host_seqlens, host_values, seqlens_derived  # noqa: F401
 
 MAX_K = 256
 
@@ -207,44 +207,11 @@ def _gate_params(
     return GateMode.SOFTPLUS if lower_bound is None else GateMode.LOWER_BOUND
 
 
-def host_seqlens(cu: torch.Tensor) -> torch.Tensor:
-    """The values of ``cu`` (cu_seqlens) as an int64 CPU tensor, a copy read on every call: a device
-    tensor costs one small device-to-host copy, which waits for the work queued before it. Callers
-    that must not wait pass ``cu_seqlens_cpu``."""
-    return cu.detach().to("cpu", torch.int64, copy=True)
-
-
-# What was derived from the values of cu_seqlens (chunk tables), keyed by those values and a key:
-# a tensor whose values change gets the new values' entry. Bounded, least recently used first out.
-_DERIVED: OrderedDict = OrderedDict()
-_DERIVED_LOCK = threading.Lock()
-DERIVED_ENTRIES = 32
-_MISSING = object()
-
-
-def seqlens_derived(host: torch.Tensor, key: tuple, make: Callable[[], Any]) -> Any:
-    """``make()`` for the values of ``host`` (a CPU copy of cu_seqlens) and ``key``, kept for the
-    next call with the same values and key. Thread-safe; nothing is kept when ``make`` raises.
-    ``make`` runs outside the lock (two threads may both make an entry; the first one stays)."""
-    full = (tuple(host.tolist()), key)
-    with _DERIVED_LOCK:
-        hit = _DERIVED.get(full, _MISSING)
-        if hit is not _MISSING:
-            _DERIVED.move_to_end(full)
-            return hit
-    value = make()
-    with _DERIVED_LOCK:
-        value = _DERIVED.setdefault(full, value)
-        _DERIVED.move_to_end(full)
-        while len(_DERIVED) > DERIVED_ENTRIES:
-            _DERIVED.popitem(last=False)
-    return value
-
-
 def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch.Tensor, check_values: bool | None):
     """Checks cu_seqlens; returns (N, host copy or None). check_values: True reads the values on
-    every call (a device-to-host copy unless ``cu_seqlens_cpu`` vouches for them), None only when
-    they are on the CPU, False never (shapes, dtypes and devices only)."""
+    every call (a device-to-host copy unless ``cu_seqlens_cpu`` vouches for them) and checks them
+    (:func:`fastkda.seqlens.host_values`), None only when they are on the CPU, False never (shapes,
+    dtypes and devices only)."""
     cu = _tensor("cu_seqlens", cu_seqlens)
     if B != 1:
         raise ValueError(f"`cu_seqlens` needs the batch flattened to 1 (inputs [1, total_T, ...]), got batch size {B}")
@@ -260,29 +227,7 @@ def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch
             raise ValueError(f"`cu_seqlens_cpu` must be a CPU int tensor shaped like cu_seqlens {list(cu.shape)}, got {_fmt(given)}")
     if check_values is False or (check_values is None and cu.device.type != "cpu"):
         return cu.numel() - 1, None
-    if given is None:
-        host = host_seqlens(cu)
-    else:  # a copy: a later write by the caller cannot change this call's boundaries (nor its backward's)
-        host = given.detach().to(torch.int64, copy=True)
-        if cu.device.type == "cpu" and not torch.equal(host, cu.detach().to(torch.int64)):
-            a, b = cu.tolist(), host.tolist()
-            i = next(i for i in range(len(a)) if a[i] != b[i])
-            raise ValueError(f"`cu_seqlens` and `cu_seqlens_cpu` must hold the same values, got cu_seqlens[{i}]={a[i]} "
-                             f"and cu_seqlens_cpu[{i}]={b[i]} (cu_seqlens={a[:8]}, cu_seqlens_cpu={b[:8]})")
-    check_seqlens(host.tolist(), T)
-    return cu.numel() - 1, host
-
-
-def check_seqlens(vals: list, T: int, short_ok: bool = False):
-    """The values of cu_seqlens: from 0, non-decreasing, to T (to at most T with ``short_ok``:
-    ``use_graph``, whose tail rows may be unused)."""
-    if vals[0] != 0:
-        raise ValueError(f"`cu_seqlens` must start at 0, got {vals[:8]}")
-    bad = next((i for i in range(1, len(vals)) if vals[i] < vals[i - 1]), None)
-    if bad is not None:
-        raise ValueError(f"`cu_seqlens` must be non-decreasing, got {vals[bad - 1]} then {vals[bad]} at index {bad}")
-    if vals[-1] > T or (vals[-1] != T and not short_ok):
-        raise ValueError(f"`cu_seqlens` must end at the total length T={T}{' or before' if short_ok else ''}, got {vals[-1]}")
+    return cu.numel() - 1, host_values(cu, given, T)
 
 
 def graph_chunk_slots(T: int, N: int, C: int) -> int:
