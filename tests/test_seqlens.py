@@ -1,6 +1,6 @@
-"""The values of cu_seqlens: read on every call (options.host_seqlens), or taken from
+"""The values of cu_seqlens: read on every call (seqlens.host_seqlens), or taken from
 cu_seqlens_cpu; what is derived from them (chunk tables) is kept by the values themselves
-(options.seqlens_derived), so a tensor whose values change, however they were written, gets its
+(seqlens.seqlens_derived), so a tensor whose values change, however they were written, gets its
 new values' results."""
 
 import sys
@@ -11,31 +11,33 @@ import torch
 from conftest import BACKENDS, BACKWARD_BACKENDS, DEVICE, GPU
 from helpers import check, grow, tol_for
 
-from fastkda import chunk_kda, options, use_backend
+from fastkda import chunk_kda, options, seqlens, use_backend
 from fastkda.testing import Case, make_inputs, reference
 
 
 @pytest.fixture(autouse=True)
-def fresh_cache(monkeypatch):
-    monkeypatch.setattr(options, "_DERIVED", type(options._DERIVED)())
+def fresh_cache():
+    seqlens.clear_cache()
+    yield
+    seqlens.clear_cache()
 
 
 def test_host_copy_read_every_call():
     cu = torch.tensor([0, 3, 7, 12], dtype=torch.int32, device=DEVICE)
-    a = options.host_seqlens(cu)
+    a = seqlens.host_seqlens(cu)
     assert a.dtype == torch.int64 and a.device.type == "cpu" and a.tolist() == [0, 3, 7, 12]
-    b = options.host_seqlens(cu)
+    b = seqlens.host_seqlens(cu)
     assert b is not a and b.tolist() == a.tolist()
     cu.data[2] = 8  # behind the version counter's back
-    assert options.host_seqlens(cu).tolist() == [0, 3, 8, 12] and a.tolist() == [0, 3, 7, 12]
+    assert seqlens.host_seqlens(cu).tolist() == [0, 3, 8, 12] and a.tolist() == [0, 3, 7, 12]
     with torch.inference_mode():
         inf = torch.tensor([0, 2, 5], device=DEVICE)
-    assert options.host_seqlens(inf).tolist() == [0, 2, 5]
+    assert seqlens.host_seqlens(inf).tolist() == [0, 2, 5]
 
 
 def test_host_copy_never_aliases_a_cpu_tensor():
     cu = torch.tensor([0, 4, 9])
-    assert options.host_seqlens(cu).data_ptr() != cu.data_ptr()
+    assert seqlens.host_seqlens(cu).data_ptr() != cu.data_ptr()
 
 
 def test_derived_kept_by_values():
@@ -47,41 +49,68 @@ def test_derived_kept_by_values():
     def make(tag):
         return lambda: made.append(tag) or object()
 
-    a = options.seqlens_derived(torch.tensor([0, 3, 7]), ("k", 1), make("a"))
-    assert options.seqlens_derived(torch.tensor([0, 3, 7], dtype=torch.int32), ("k", 1), make("b")) is a
-    assert options.seqlens_derived(torch.tensor([0, 3, 8]), ("k", 1), make("c")) is not a
-    assert options.seqlens_derived(torch.tensor([0, 3, 7]), ("k", 2), make("d")) is not a
+    a = seqlens.seqlens_derived(torch.tensor([0, 3, 7]), ("k", 1), make("a"))
+    assert seqlens.seqlens_derived(torch.tensor([0, 3, 7], dtype=torch.int32), ("k", 1), make("b")) is a
+    assert seqlens.seqlens_derived(torch.tensor([0, 3, 8]), ("k", 1), make("c")) is not a
+    assert seqlens.seqlens_derived(torch.tensor([0, 3, 7]), ("k", 2), make("d")) is not a
     assert made == ["a", "c", "d"]
 
     def fail():
         raise ValueError("bad")
 
     with pytest.raises(ValueError, match="bad"):
-        options.seqlens_derived(torch.tensor([0, 1]), ("k",), fail)
-    assert options.seqlens_derived(torch.tensor([0, 1]), ("k",), lambda: 5) == 5
-    for n in range(2 * options.DERIVED_ENTRIES):
-        options.seqlens_derived(torch.tensor([0, n]), ("k",), make(n))
-    assert len(options._DERIVED) == options.DERIVED_ENTRIES
+        seqlens.seqlens_derived(torch.tensor([0, 1]), ("k",), fail)
+    assert seqlens.seqlens_derived(torch.tensor([0, 1]), ("k",), lambda: 5) == 5
+    for n in range(2 * seqlens.DERIVED_ENTRIES):
+        seqlens.seqlens_derived(torch.tensor([0, n]), ("k",), make(n))
+    assert seqlens.cache_size() == seqlens.DERIVED_ENTRIES
 
 
-def test_values_checked_every_call(monkeypatch):
-    """The value check runs on every call, on the values read then (or on cu_seqlens_cpu's)."""
-    calls = []
-    real = options.check_seqlens
-    monkeypatch.setattr(options, "check_seqlens", lambda vals, T, **kw: calls.append(list(vals)) or real(vals, T, **kw))
+def test_values_checked_every_call():
+    """The value check runs on every call, on the values read then (or on cu_seqlens_cpu's): the
+    same values are judged again against each call's length."""
     ref = torch.zeros(1, device=DEVICE)
     cu = torch.tensor([0, 3, 7, 12], device=DEVICE)
     for _ in range(2):
         n, host = options._cu_seqlens(cu, None, 1, 12, ref, True)
-    assert n == 3 and host.tolist() == [0, 3, 7, 12] and calls == [[0, 3, 7, 12]] * 2
+        assert n == 3 and host.tolist() == [0, 3, 7, 12]
+    with pytest.raises(ValueError, match="end at the total length T=13, got 12"):
+        options._cu_seqlens(cu, None, 1, 13, ref, True)
     cu.data[3] = 13
     with pytest.raises(ValueError, match="end at the total length T=12, got 13"):
         options._cu_seqlens(cu, None, 1, 12, ref, True)
     mine = torch.tensor([0, 3, 7, 13])
     n, host = options._cu_seqlens(cu, mine, 1, 13, ref, True)
     assert host.tolist() == [0, 3, 7, 13] and host is not mine  # a copy: the caller may write to its own
-    assert options._cu_seqlens(cu, mine, 1, 13, ref, False) == (3, None)  # never read
-    assert len(calls) == 4
+    with pytest.raises(ValueError, match="end at the total length T=14, got 13"):
+        options._cu_seqlens(cu, mine, 1, 14, ref, True)
+    assert options._cu_seqlens(cu, mine, 1, 14, ref, False) == (3, None)  # never read, never checked
+
+
+def test_no_device_reads():
+    """Inside seqlens.no_device_reads() (this thread only; blocks nest), reading back a cu_seqlens
+    that is not on the CPU raises; a CPU one is read as ever."""
+    cpu = torch.tensor([0, 2, 5])
+    off_cpu = cpu.to("meta")  # off the CPU, without values: reading it fails anyway, refused only in a block
+
+    def refusal(t):
+        try:
+            seqlens.host_seqlens(t)
+        except (RuntimeError, NotImplementedError) as e:
+            return "no_device_reads" in str(e)
+        return False
+
+    assert not refusal(off_cpu)
+    with seqlens.no_device_reads():
+        with seqlens.no_device_reads():
+            assert refusal(off_cpu)
+        assert refusal(off_cpu) and seqlens.host_seqlens(cpu).tolist() == [0, 2, 5]
+        other = []
+        worker = threading.Thread(target=lambda: other.append(refusal(off_cpu)))
+        worker.start()
+        worker.join()
+        assert other == [False]
+    assert not refusal(off_cpu)
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
@@ -89,13 +118,13 @@ def test_chunk_tables_follow_the_values():
     from fastkda.backends.triton.common import chunk_tables
 
     cu = torch.tensor([0, 5, 5, 70], device=DEVICE)
-    a = chunk_tables(options.host_seqlens(cu), 64, DEVICE)
-    assert chunk_tables(options.host_seqlens(cu), 64, DEVICE) is a
+    a = chunk_tables(seqlens.host_seqlens(cu), 64, DEVICE)
+    assert chunk_tables(seqlens.host_seqlens(cu), 64, DEVICE) is a
     assert a[2] == 3 and a[0].tolist() == [[0, 0], [2, 0], [2, 1]] and a[1].tolist() == [0, 1, 1, 3]
-    b = chunk_tables(options.host_seqlens(cu), 32, DEVICE)
+    b = chunk_tables(seqlens.host_seqlens(cu), 32, DEVICE)
     assert b[2] == 4 and b[1].tolist() == [0, 1, 1, 4]
     cu.data[1] = 2  # behind the version counter's back
-    c = chunk_tables(options.host_seqlens(cu), 64, DEVICE)
+    c = chunk_tables(seqlens.host_seqlens(cu), 64, DEVICE)
     assert c is not a and c[0].tolist() == [[0, 0], [1, 0], [2, 0], [2, 1]] and c[1].tolist() == [0, 1, 2, 4]
 
 
@@ -188,7 +217,7 @@ def test_threads_share_the_derived_cache():
                 n = 1 + (i * 7 + r) % 40
                 cu = torch.tensor([0, n, n + i + 1])
                 N, host = options._cu_seqlens(cu, None, 1, n + i + 1, ref, True)
-                got = options.seqlens_derived(host, ("lens",), lambda: tuple((host[1:] - host[:-1]).tolist()))
+                got = seqlens.seqlens_derived(host, ("lens",), lambda: tuple((host[1:] - host[:-1]).tolist()))
                 assert N == 2 and got == (n, i + 1), (got, n, i)
             done.append(i)
         except Exception as e:  # reported below

@@ -3,49 +3,15 @@
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import warnings
-
 import torch
 
 from . import platform
 from .backends import registry
+from .backends.registry import explain
 from . import library  # noqa: F401  (registers the torch.library custom ops)
-from .options import chunk_options, recurrent_options
+from .options import autocast_qkv, check_writable, chunk_options, recurrent_options, state_layout
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "explain"]
-
-_AUTOCAST_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _state_layout(state_v_first, transpose_state_layout):
-    """state_v_first, or fla-core's former name for it, ``transpose_state_layout`` (deprecated)."""
-    if transpose_state_layout is None:
-        return state_v_first
-    if not isinstance(transpose_state_layout, bool):
-        raise TypeError(f"`transpose_state_layout` must be a bool, got {type(transpose_state_layout).__name__}")
-    if state_v_first:
-        raise ValueError("pass `state_v_first` or the deprecated `transpose_state_layout`, not both")
-    warnings.warn("`transpose_state_layout` is deprecated: it is `state_v_first`", DeprecationWarning, stacklevel=3)
-    return transpose_state_layout
-
-
-def _autocast_qkv(q, k, v):
-    """Under torch.autocast, q/k/v take the autocast dtype (like a matmul's operands); the op
-    itself then runs with autocast off. Returns (q, k, v, context)."""
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        return q, k, v, contextlib.nullcontext()
-    dev = q.device.type
-    try:
-        enabled = torch.is_autocast_enabled(dev)
-    except (TypeError, RuntimeError):  # device types without autocast
-        enabled = False
-    if not enabled:
-        return q, k, v, contextlib.nullcontext()
-    dt = torch.get_autocast_dtype(dev)
-    q, k, v = (t.to(dt) if t.dtype in _AUTOCAST_CASTABLE else t for t in (q, k, v))
-    return q, k, v, torch.autocast(dev, enabled=False)
 
 
 def chunk_kda(
@@ -123,8 +89,8 @@ def chunk_kda(
         ``o`` has the dtype of ``v``; ``final_state`` is None unless asked for. On meta tensors:
         outputs of the right shapes, nothing computed (not with ``return_intermediate_states``).
     """
-    state_v_first = _state_layout(state_v_first, transpose_state_layout)
-    q, k, v, ctx = _autocast_qkv(q, k, v)
+    state_v_first = state_layout(state_v_first, transpose_state_layout)
+    q, k, v, ctx = autocast_qkv(q, k, v)
     compiling = torch.compiler.is_compiling()
     meta = isinstance(q, torch.Tensor) and q.device.type == "meta"  # shapes only: no values are read
     if compiling and return_intermediate_states:  # before the options read the inference mode, which tracing cannot
@@ -222,8 +188,8 @@ def fused_recurrent_kda(
         ``(o, final_state)``; ``final_state`` is ``[N, HV, K, V]`` float32 with
         ``output_final_state``, the updated pool with ``inplace_final_state``, else None.
     """
-    state_v_first = _state_layout(state_v_first, transpose_state_layout)
-    q, k, v, ctx = _autocast_qkv(q, k, v)
+    state_v_first = state_layout(state_v_first, transpose_state_layout)
+    q, k, v, ctx = autocast_qkv(q, k, v)
     compiling = torch.compiler.is_compiling()
     opts, inputs = recurrent_options(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
@@ -234,7 +200,7 @@ def fused_recurrent_kda(
         inplace_final_state=inplace_final_state, raise_on_bad_index=raise_on_bad_index, check_values=not compiling,
     )
     if inplace_final_state and not compiling:  # the compiled op runs this call eagerly, which checks
-        _check_writable("initial_state", initial_state)
+        check_writable("initial_state", initial_state)
     if compiling:  # the in-place op (a pool written in place) has no backward; the functional one has
         op = torch.ops.fastkda.fused_recurrent_kda if inplace_final_state else torch.ops.fastkda.fused_recurrent_kda_functional
         o, final = op(
@@ -248,22 +214,6 @@ def fused_recurrent_kda(
         return o, (final if output_final_state else None)
     with ctx:
         return registry.dispatch("fused_recurrent_kda", opts, inputs)
-
-
-def _check_writable(name: str, t: torch.Tensor) -> None:
-    """ValueError unless the elements of ``t`` lie at distinct addresses (dims ordered by stride,
-    each stride passes the extent of the smaller ones), as a tensor written in place must."""
-    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1)
-    if any(n == 0 for _, n in dims):
-        return
-    extent = 0
-    for st, n in dims:
-        if st <= extent:
-            raise ValueError(
-                f"`{name}` is written in place (inplace_final_state=True) but elements of it overlap in memory "
-                f"(shape {list(t.shape)}, stride {tuple(t.stride())}: an expanded or self-overlapping view); "
-                f"pass a tensor that owns its elements (e.g. `{name}.clone()`)")
-        extent += st * (n - 1)
 
 
 def decode_error(device=None) -> str | None:
@@ -285,19 +235,5 @@ def decode_error(device=None) -> str | None:
     return recurrent.describe_error(code) if code else None
 
 
-def explain(fn, *args, **kwargs) -> tuple[str, list[tuple[str, str]]]:
-    """Which backend ``fn`` (:func:`chunk_kda` or :func:`fused_recurrent_kda`) would run for these
-    arguments, and the ``(backend, reason)`` of every backend considered. Validates like the call."""
-    builders = {chunk_kda: ("chunk_kda", chunk_options), fused_recurrent_kda: ("fused_recurrent_kda", recurrent_options)}
-    if fn not in builders:
-        raise TypeError(f"`fn` must be fastkda.chunk_kda or fastkda.fused_recurrent_kda, got {fn!r}")
-    op, build = builders[fn]
-    bound = inspect.signature(fn).bind(*args, **kwargs)
-    bound.apply_defaults()
-    call = dict(bound.arguments)
-    call["state_v_first"] = _state_layout(call["state_v_first"], call.pop("transpose_state_layout"))
-    tensors = [call.pop(n) for n in ("q", "k", "v", "g", "beta")]
-    q, k, v, _ = _autocast_qkv(*tensors[:3])
-    opts, inputs = build(q, k, v, *tensors[3:], **call)
-    backend, reasons = registry.select(op, opts, inputs)
-    return backend.name, reasons
+registry.register_operator(chunk_kda, "chunk_kda")
+registry.register_operator(fused_recurrent_kda, "fused_recurrent_kda")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from . import platform
 from .api import chunk_kda, explain, fused_recurrent_kda
 from .backends import use_backend
-from .cli import Parser, backend_arg, backend_error, device_arg
+from .cli_args import Parser, backend_arg, backend_error, device_arg
 from .naive import naive_recurrent_kda
 
 DESCRIPTION = """Times chunk_kda and fused_recurrent_kda on this machine over a sweep of sequence lengths,

@@ -1,12 +1,11 @@
 """The fastkda command: ``fastkda check`` runs both operators over a matrix of options against the
 float64 reference on the best available device and prints a pass/fail table; ``fastkda bench`` is
-in :mod:`fastkda.bench`. Argument errors are one line on stderr and exit code 2."""
+in :mod:`fastkda.bench`, and the argument types both take in :mod:`fastkda.cli_args`. Argument
+errors are one line on stderr and exit code 2."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
 import sys
 import time
 
@@ -14,7 +13,8 @@ import torch
 
 from . import __version__, platform
 from .api import chunk_kda, explain, fused_recurrent_kda
-from .backends import BackendUnavailableError, backends, use_backend
+from .backends import use_backend
+from .cli_args import Parser, backend_arg, backend_error, device_arg
 from .testing import (AXES, Case, gate_input_error, gate_param_scales, gate_slope, grow, make_inputs, param_error,
                       reference, rel_rms, tolerance)
 
@@ -29,67 +29,6 @@ USAGE = """usage: fastkda {check,bench} [options]
 CHECK_DESCRIPTION = """Runs chunk_kda (forward and backward) and fused_recurrent_kda over a matrix of options
 (dense, variable-length, grouped value heads, gates, dtypes) against the float64 reference and prints
 a pass/fail table. Exit code 0 when every case passes, 1 when one fails, 2 for an argument error."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line, ``prog: error: message``, with exit code 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def device_arg(value: str) -> str:
-    """argparse type of --device: a device of this machine that fastkda runs on."""
-    try:
-        dev = torch.device(value)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a device (cpu, cuda or cuda:N)") from None
-    if dev.type == "cpu":
-        return value
-    if dev.type == "cuda":
-        if torch.version.cuda is None and torch.version.hip is None:
-            raise argparse.ArgumentTypeError(f"{value!r}: this torch ({torch.__version__}) is a CPU-only build")
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    elif dev.type == "xpu":
-        count = torch.xpu.device_count() if hasattr(torch, "xpu") and torch.xpu.is_available() else 0
-    else:
-        raise argparse.ArgumentTypeError(f"{value!r}: fastkda runs on cpu, cuda and xpu devices")
-    if count == 0:
-        raise argparse.ArgumentTypeError(f"{value!r}: no {dev.type} device is visible")
-    if dev.index is not None and dev.index >= count:
-        raise argparse.ArgumentTypeError(f"{value!r}: {count} {dev.type} device(s) visible, numbered from 0")
-    return value
-
-
-def backend_arg(value: str) -> str:
-    """argparse type of --backend: a registered backend's name."""
-    names = [b.name for b in backends()]
-    if value not in names:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a fastkda backend; registered: {', '.join(names)}")
-    return value
-
-
-def backend_error(forced: str | None, device: str, dtype: torch.dtype, grad: bool, H: int = 1,
-                  K: int = 16) -> str | None:
-    """Why the forced backend (``forced``, else FASTKDA_BACKEND) cannot run both operators on
-    ``device`` for a call of ``dtype`` with H heads of dimension K = V and T = 16; None when it
-    can or nothing is forced."""
-    env = os.environ.get("FASTKDA_BACKEND")
-    if not forced and env and env not in [b.name for b in backends()]:
-        return f"FASTKDA_BACKEND={env!r} is not a fastkda backend; registered: {', '.join(b.name for b in backends())}"
-    try:
-        with use_backend(forced) if forced else contextlib.nullcontext():
-            x = dict(q=torch.randn(1, 16, H, K), k=torch.randn(1, 16, H, K), v=torch.randn(1, 16, H, K),
-                     g=-torch.rand(1, 16, H, K), beta=torch.rand(1, 16, H))
-            x = {n: t.to(device=device, dtype=dtype if n in "qkv" else torch.float32) for n, t in x.items()}
-            explain(fused_recurrent_kda, **x)
-            explain(chunk_kda, **{n: t.requires_grad_(grad) for n, t in x.items()})
-    except BackendUnavailableError as e:
-        msg = str(e)
-        if forced and msg.startswith(f"FASTKDA_BACKEND={forced} "):
-            msg = f"--backend {forced} " + msg[len(f"FASTKDA_BACKEND={forced} "):]
-        return f"{msg} (device {device})"
-    return None
 
 
 GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")

@@ -6,8 +6,8 @@ backend's own ``chunk_kda_vjp`` where it has one, else recomputes the forward wi
 through the backend's differentiable implementation); ``fastkda::fused_recurrent_kda`` (it may
 write the state pool in place: forward only) and ``fastkda::fused_recurrent_kda_functional`` (the
 same without the in-place write) with its backward ``fastkda::fused_recurrent_kda_backward``
-(recomputed with autograd, as above). The public functions route here only while compiling; eager
-calls go straight to the backend registry.
+(recomputed with autograd, as above). The public functions (:mod:`fastkda.api`) route here only
+while compiling; eager calls go straight to the backend registry, as the ops' bodies do.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .options import state_dtype
+from .backends import registry
+from .dtypes import state_dtype
+from .options import autocast_qkv, check_writable, chunk_options, recurrent_options
 
 
 _GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -27,15 +29,19 @@ _GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 def _chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
            use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
            dt_bias, chunk_size):
-    """The eager operator (inside a custom op nothing is being compiled)."""
-    from .api import chunk_kda
-
-    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                     allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
-                     state_v_first=state_v_first, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
-                     chunk_size=chunk_size)
+    """The eager operator, as ``fastkda.chunk_kda`` runs it (inside a custom op nothing is being
+    compiled): the options, then the backend the registry picks."""
+    q, k, v, ctx = autocast_qkv(q, k, v)
+    opts, inputs = chunk_options(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=False, return_intermediate_states=False,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, cp_context=None, A_log=A_log,
+        dt_bias=dt_bias, chunk_size=chunk_size)
+    with ctx:
+        o, final, _ = registry.dispatch("chunk_kda", opts, inputs)
+    return o, final
 
 
 @torch.library.custom_op("fastkda::chunk_kda", mutates_args=())
@@ -73,9 +79,6 @@ def _chunk_backend(q, k, v, g, beta, scale, initial_state, output_final_state, u
                    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
                    state_v_first, cu_seqlens, A_log, dt_bias, chunk_size):
     """(backend, options, inputs) the registry picks for this chunk_kda call."""
-    from .backends import registry
-    from .options import chunk_options
-
     opts, inputs = chunk_options(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
@@ -181,10 +184,10 @@ def _fused_recurrent(
     num_accepted_tokens: Optional[Tensor], inplace_final_state: bool, raise_on_bad_index: bool,
 ) -> tuple[Tensor, Tensor]:
     """The eager operator; the final state is an empty tensor when it is not asked for or is the
-    pool itself (a custom op's output may not alias an input)."""
-    from .api import fused_recurrent_kda
-
-    o, final = fused_recurrent_kda(
+    pool itself (a custom op's output may not alias an input). Runs as ``fastkda.fused_recurrent_kda``
+    does: the options, then the backend the registry picks."""
+    q, k, v, ctx = autocast_qkv(q, k, v)
+    opts, inputs = recurrent_options(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -192,6 +195,10 @@ def _fused_recurrent(
         cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
         inplace_final_state=inplace_final_state, raise_on_bad_index=raise_on_bad_index,
     )
+    if inplace_final_state:
+        check_writable("initial_state", initial_state)
+    with ctx:
+        o, final = registry.dispatch("fused_recurrent_kda", opts, inputs)
     if inplace_final_state or final is None:
         final = q.new_empty(0, dtype=torch.float32)
     return o.contiguous(), final.contiguous()

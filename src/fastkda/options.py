@@ -8,18 +8,20 @@ value before any work is done. Nothing below this module re-checks arguments.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import numbers
-import threading
-from collections import OrderedDict
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-INDEX_DTYPES = (torch.int32, torch.int64)
+from .dtypes import FLOAT_DTYPES, INDEX_DTYPES, state_dtype  # noqa: F401  (state_dtype: re-exported)
+# the host side of cu_seqlens (reading, checking, the cache of derived tables); its names, re-exported
+from .seqlens import DERIVED_ENTRIES, check_seqlens, host_seqlens, host_values, seqlens_derived  # noqa: F401
+
 MAX_K = 256
 
 
@@ -205,44 +207,11 @@ def _gate_params(
     return GateMode.SOFTPLUS if lower_bound is None else GateMode.LOWER_BOUND
 
 
-def host_seqlens(cu: torch.Tensor) -> torch.Tensor:
-    """The values of ``cu`` (cu_seqlens) as an int64 CPU tensor, a copy read on every call: a device
-    tensor costs one small device-to-host copy, which waits for the work queued before it. Callers
-    that must not wait pass ``cu_seqlens_cpu``."""
-    return cu.detach().to("cpu", torch.int64, copy=True)
-
-
-# What was derived from the values of cu_seqlens (chunk tables), keyed by those values and a key:
-# a tensor whose values change gets the new values' entry. Bounded, least recently used first out.
-_DERIVED: OrderedDict = OrderedDict()
-_DERIVED_LOCK = threading.Lock()
-DERIVED_ENTRIES = 32
-_MISSING = object()
-
-
-def seqlens_derived(host: torch.Tensor, key: tuple, make: Callable[[], Any]) -> Any:
-    """``make()`` for the values of ``host`` (a CPU copy of cu_seqlens) and ``key``, kept for the
-    next call with the same values and key. Thread-safe; nothing is kept when ``make`` raises.
-    ``make`` runs outside the lock (two threads may both make an entry; the first one stays)."""
-    full = (tuple(host.tolist()), key)
-    with _DERIVED_LOCK:
-        hit = _DERIVED.get(full, _MISSING)
-        if hit is not _MISSING:
-            _DERIVED.move_to_end(full)
-            return hit
-    value = make()
-    with _DERIVED_LOCK:
-        value = _DERIVED.setdefault(full, value)
-        _DERIVED.move_to_end(full)
-        while len(_DERIVED) > DERIVED_ENTRIES:
-            _DERIVED.popitem(last=False)
-    return value
-
-
 def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch.Tensor, check_values: bool | None):
     """Checks cu_seqlens; returns (N, host copy or None). check_values: True reads the values on
-    every call (a device-to-host copy unless ``cu_seqlens_cpu`` vouches for them), None only when
-    they are on the CPU, False never (shapes, dtypes and devices only)."""
+    every call (a device-to-host copy unless ``cu_seqlens_cpu`` vouches for them) and checks them
+    (:func:`fastkda.seqlens.host_values`), None only when they are on the CPU, False never (shapes,
+    dtypes and devices only)."""
     cu = _tensor("cu_seqlens", cu_seqlens)
     if B != 1:
         raise ValueError(f"`cu_seqlens` needs the batch flattened to 1 (inputs [1, total_T, ...]), got batch size {B}")
@@ -258,29 +227,7 @@ def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch
             raise ValueError(f"`cu_seqlens_cpu` must be a CPU int tensor shaped like cu_seqlens {list(cu.shape)}, got {_fmt(given)}")
     if check_values is False or (check_values is None and cu.device.type != "cpu"):
         return cu.numel() - 1, None
-    if given is None:
-        host = host_seqlens(cu)
-    else:  # a copy: a later write by the caller cannot change this call's boundaries (nor its backward's)
-        host = given.detach().to(torch.int64, copy=True)
-        if cu.device.type == "cpu" and not torch.equal(host, cu.detach().to(torch.int64)):
-            a, b = cu.tolist(), host.tolist()
-            i = next(i for i in range(len(a)) if a[i] != b[i])
-            raise ValueError(f"`cu_seqlens` and `cu_seqlens_cpu` must hold the same values, got cu_seqlens[{i}]={a[i]} "
-                             f"and cu_seqlens_cpu[{i}]={b[i]} (cu_seqlens={a[:8]}, cu_seqlens_cpu={b[:8]})")
-    check_seqlens(host.tolist(), T)
-    return cu.numel() - 1, host
-
-
-def check_seqlens(vals: list, T: int, short_ok: bool = False):
-    """The values of cu_seqlens: from 0, non-decreasing, to T (to at most T with ``short_ok``:
-    ``use_graph``, whose tail rows may be unused)."""
-    if vals[0] != 0:
-        raise ValueError(f"`cu_seqlens` must start at 0, got {vals[:8]}")
-    bad = next((i for i in range(1, len(vals)) if vals[i] < vals[i - 1]), None)
-    if bad is not None:
-        raise ValueError(f"`cu_seqlens` must be non-decreasing, got {vals[bad - 1]} then {vals[bad]} at index {bad}")
-    if vals[-1] > T or (vals[-1] != T and not short_ok):
-        raise ValueError(f"`cu_seqlens` must end at the total length T={T}{' or before' if short_ok else ''}, got {vals[-1]}")
+    return cu.numel() - 1, host_values(cu, given, T)
 
 
 def graph_chunk_slots(T: int, N: int, C: int) -> int:
@@ -324,12 +271,6 @@ def _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values: 
     return KDAShape(B, T, H, HV, K, V, N), scale, cu_host
 
 
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the states (initial, final, carried) for inputs of ``dtype``: float32, or
-    float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _state(name: str, h: torch.Tensor, lead: int | None, shape: KDAShape, state_v_first: bool, q: torch.Tensor):
     """A state tensor [lead, HV, K, V] (or [.., V, K]); lead None accepts any slot count."""
     tail = (shape.HV, shape.V, shape.K) if state_v_first else (shape.HV, shape.K, shape.V)
@@ -342,6 +283,55 @@ def _state(name: str, h: torch.Tensor, lead: int | None, shape: KDAShape, state_
     if h.dtype not in allowed:
         raise ValueError(f"`{name}` must be float32 (states are kept in float32), got {h.dtype}")
     _same_device(q, **{name: h})
+
+
+def state_layout(state_v_first, transpose_state_layout):
+    """state_v_first, or fla-core's former name for it, ``transpose_state_layout`` (deprecated; the
+    warning names the caller of the public operator)."""
+    if transpose_state_layout is None:
+        return state_v_first
+    if not isinstance(transpose_state_layout, bool):
+        raise TypeError(f"`transpose_state_layout` must be a bool, got {type(transpose_state_layout).__name__}")
+    if state_v_first:
+        raise ValueError("pass `state_v_first` or the deprecated `transpose_state_layout`, not both")
+    warnings.warn("`transpose_state_layout` is deprecated: it is `state_v_first`", DeprecationWarning, stacklevel=3)
+    return transpose_state_layout
+
+
+_AUTOCAST_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def autocast_qkv(q, k, v):
+    """Under torch.autocast, q/k/v take the autocast dtype (like a matmul's operands); the op
+    itself then runs with autocast off. Returns (q, k, v, context)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return q, k, v, contextlib.nullcontext()
+    dev = q.device.type
+    try:
+        enabled = torch.is_autocast_enabled(dev)
+    except (TypeError, RuntimeError):  # device types without autocast
+        enabled = False
+    if not enabled:
+        return q, k, v, contextlib.nullcontext()
+    dt = torch.get_autocast_dtype(dev)
+    q, k, v = (t.to(dt) if t.dtype in _AUTOCAST_CASTABLE else t for t in (q, k, v))
+    return q, k, v, torch.autocast(dev, enabled=False)
+
+
+def check_writable(name: str, t: torch.Tensor) -> None:
+    """ValueError unless the elements of ``t`` lie at distinct addresses (dims ordered by stride,
+    each stride passes the extent of the smaller ones), as a tensor written in place must."""
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1)
+    if any(n == 0 for _, n in dims):
+        return
+    extent = 0
+    for st, n in dims:
+        if st <= extent:
+            raise ValueError(
+                f"`{name}` is written in place (inplace_final_state=True) but elements of it overlap in memory "
+                f"(shape {list(t.shape)}, stride {tuple(t.stride())}: an expanded or self-overlapping view); "
+                f"pass a tensor that owns its elements (e.g. `{name}.clone()`)")
+        extent += st * (n - 1)
 
 
 def _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, use_gate_in_kernel=False):

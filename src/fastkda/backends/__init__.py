@@ -1,6 +1,7 @@
 """Backends behind one registry (see :mod:`fastkda.backends.registry`)."""
 
-from .registry import Backend, BackendUnavailableError, backends, dispatch, get, register, select, use_backend
+from .registry import (Backend, BackendUnavailableError, backends, dispatch, explain, get, register, select,
+                       use_backend)
 from ..platform import HAS_TRITON
 from .torch_chunked import TorchBackend
 
@@ -14,9 +15,3 @@ if HAS_TRITON:
 __all__ = ["Backend", "BackendUnavailableError", "backends", "dispatch", "explain", "get", "register", "select",
            "use_backend"]
 
-
-def explain(fn, *args, **kwargs):
-    """:func:`fastkda.explain`: the backend ``fn`` would run for these arguments, and why."""
-    from ..api import explain as _explain  # the API module imports this package
-
-    return _explain(fn, *args, **kwargs)

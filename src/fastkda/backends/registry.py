@@ -8,17 +8,21 @@ A verifier returns ``(ok, reason)``; every reason is logged at debug level (logg
 - ``FASTKDA_DISABLE_BACKENDS=<name>[,<name>...]`` forbids backends.
 
 :func:`use_backend` does the same as ``FASTKDA_BACKEND`` for a ``with`` block (thread-local).
+:func:`explain` names the backend a call of a public operator would run, and why.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import threading
 from typing import Any, Iterator
 
 import torch
+
+from ..options import autocast_qkv, chunk_options, recurrent_options, state_layout
 
 log = logging.getLogger("fastkda.backends")
 
@@ -137,3 +141,32 @@ def select(op: str, opts: Any, inputs: Any) -> tuple[Backend, list[tuple[str, st
 def dispatch(op: str, opts: Any, inputs: Any):
     backend, _ = select(op, opts, inputs)
     return backend.run(op, opts, inputs)
+
+
+_BUILDERS = {"chunk_kda": chunk_options, "fused_recurrent_kda": recurrent_options}  # arguments -> (options, inputs)
+_OPERATORS: dict = {}  # public operator function -> its op (fastkda.api registers chunk_kda and fused_recurrent_kda)
+
+
+def register_operator(fn, op: str) -> None:
+    """Make ``fn``, the public function of ``op`` (a key of ``_BUILDERS``), known to :func:`explain`."""
+    if op not in _BUILDERS:
+        raise ValueError(f"`op` must be one of {sorted(_BUILDERS)}, got {op!r}")
+    _OPERATORS[fn] = op
+
+
+def explain(fn, *args, **kwargs) -> tuple[str, list[tuple[str, str]]]:
+    """Which backend ``fn`` (:func:`fastkda.chunk_kda` or :func:`fastkda.fused_recurrent_kda`) would
+    run for these arguments, and the ``(backend, reason)`` of every backend considered. Validates
+    like the call."""
+    if fn not in _OPERATORS:
+        raise TypeError(f"`fn` must be fastkda.chunk_kda or fastkda.fused_recurrent_kda, got {fn!r}")
+    op = _OPERATORS[fn]
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    call = dict(bound.arguments)
+    call["state_v_first"] = state_layout(call["state_v_first"], call.pop("transpose_state_layout"))
+    tensors = [call.pop(n) for n in ("q", "k", "v", "g", "beta")]
+    q, k, v, _ = autocast_qkv(*tensors[:3])
+    opts, inputs = _BUILDERS[op](q, k, v, *tensors[3:], **call)
+    backend, reasons = select(op, opts, inputs)
+    return backend.name, reasons

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ..naive import activate, naive_kda_gate, naive_kda_lowerbound_gate
-from ..options import GateMode, GateOptions, KDAInputs, KDAOptions, check_seqlens, graph_chunk_slots
+from ..options import GateMode, GateOptions, KDAInputs, KDAOptions, graph_chunk_slots
+from ..seqlens import check_seqlens
 from .registry import Backend
 
 # exp of every sum of gates that includes a gate at or below this is exactly 0 in float32 and

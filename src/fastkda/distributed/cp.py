@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import platform
-from ..options import state_dtype
+from ..dtypes import state_dtype
 
 __all__ = ["CPContext"]
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import options
+from .. import seqlens
 from ..api import chunk_kda, fused_recurrent_kda
 from ..options import MAX_K, chunk_size_of, real_number
 
@@ -304,7 +304,7 @@ class KimiDeltaAttention(nn.Module):
             if cu_seqlens.device.type == "cpu":
                 host = cu_seqlens
             elif not recurrent or (cache is not None and self.conv_size > 1):  # read once for chunk_kda and the cache
-                host = options.host_seqlens(cu_seqlens)
+                host = seqlens.host_seqlens(cu_seqlens)
         q, conv_q = self._conv("q", self.q_proj(hidden_states), cache, conv_q, cu_seqlens, host)
         k, conv_k = self._conv("k", self.k_proj(hidden_states), cache, conv_k, cu_seqlens, host)
         v, conv_v = self._conv("v", self.v_proj(hidden_states), cache, conv_v, cu_seqlens, host)
