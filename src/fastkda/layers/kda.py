@@ -18,6 +18,7 @@ import inspect
 import math
 import numbers
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -244,7 +245,8 @@ def _bool(name: str, x) -> bool:
 def _is_layer_cache(obj) -> bool:
     """Whether ``obj`` keeps per-layer states the way fla's ``Cache`` does: ``len(obj)`` layers,
     ``obj[i]`` a dict with ``recurrent_state`` and ``conv_state``, ``obj.update(..., layer_idx=i)``."""
-    return callable(getattr(obj, "update", None)) and hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+    return (not isinstance(obj, Mapping) and callable(getattr(obj, "update", None)) and hasattr(obj, "__getitem__")
+            and hasattr(obj, "__len__"))
 
 
 class KimiDeltaAttention(nn.Module):
@@ -426,8 +428,9 @@ class KimiDeltaAttention(nn.Module):
                             f"got {type(past_key_values).__name__}")
         held = {t.shape[0] for t in (*convs, state) if t is not None}
         if held and held != {N}:
-            raise ValueError(f"`cache` holds {min(held)} sequences for layer {self._kda_key if kind == 'kda' else self.layer_idx}, "
-                             f"but the input has {N} (its batch size, or len(cu_seqlens) - 1): use a new cache, or reorder it")
+            layer = self._kda_key if kind == "kda" else self.layer_idx
+            raise ValueError(f"`cache` holds {min(held)} sequences for layer {layer}, but the input has {N} (its batch "
+                             "size, or len(cu_seqlens) - 1): use a new cache, or reorder it")
         return kind, convs, state
 
     @property
@@ -462,9 +465,10 @@ class KimiDeltaAttention(nn.Module):
                 ``attention_mask``. ``cu_seqlens_cpu``: its host copy, so that nothing is read back.
             kwargs: ignored.
         """
-        if isinstance(attention_mask, KDACache) or (attention_mask is not None and not isinstance(attention_mask, torch.Tensor)):
-            raise TypeError(f"`attention_mask` must be a [batch, seq_len] tensor or None, got {type(attention_mask).__name__}"
-                            "; pass a cache as `past_key_values=` (with use_cache=True) or `cache=`")
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            raise TypeError("`attention_mask` must be a [batch, seq_len] tensor or None, got "
+                            f"{type(attention_mask).__name__}; pass a cache as `past_key_values=` (with use_cache=True) "
+                            "or `cache=`")
         if cache is not None:
             if past_key_values is not None:
                 raise ValueError("pass the cache once: as `cache` or as `past_key_values`, not both")
@@ -501,7 +505,7 @@ class KimiDeltaAttention(nn.Module):
         if host is None and cu_seqlens is not None and not torch.compiler.is_compiling():
             if cu_seqlens.device.type == "cpu":
                 host = cu_seqlens
-            elif not recurrent or (write and self.has_conv and self.conv_size > 1):  # read once for chunk_kda and the cache
+            elif not recurrent or (write and self.has_conv and self.conv_size > 1):  # read once: chunk_kda, the cache
                 host = options.host_seqlens(cu_seqlens)
         q, conv_q = self._conv("q", self.q_proj(x), conv_q, write, cu_seqlens, host, conv_width)
         k, conv_k = self._conv("k", self.k_proj(x), conv_k, write, cu_seqlens, host, conv_width)
@@ -526,8 +530,8 @@ class KimiDeltaAttention(nn.Module):
                 past_key_values.conv_states[self._kda_key] = (conv_q, conv_k, conv_v)
                 past_key_values.recurrent_states[self._kda_key] = state
             else:
-                past_key_values.update(recurrent_state=state, conv_state=(conv_q, conv_k, conv_v) if self.has_conv else None,
-                                       layer_idx=self.layer_idx, offset=T)
+                convs = (conv_q, conv_k, conv_v) if self.has_conv else None
+                past_key_values.update(recurrent_state=state, conv_state=convs, layer_idx=self.layer_idx, offset=T)
         o = self.o_norm(o, self.g_proj(x).view(Bx, Tx, HV, V))
         o = self.o_proj(o.reshape(Bx, Tx, HV * V))
         if indices is not None:
