@@ -113,6 +113,24 @@ def test_short_convolution_definition(rng):
     assert torch.equal(new, xp[:, -3:].transpose(1, 2))
 
 
+def test_short_convolution_kernel_size_wide_cache(rng):
+    """cache_width=kernel_size (fla's layout): the cache's oldest input is carried, never read; the
+    new cache is the last kernel_size inputs; the outputs are those of the narrow cache."""
+    conv = ShortConvolution(8, 4).to(DEVICE)
+    x = torch.randn(2, 2, 8, generator=rng).to(DEVICE)
+    wide = torch.randn(2, 8, 4, generator=rng).to(DEVICE)
+    y, new = conv(x, cache=wide, output_final_state=True, cache_width=4)
+    y_ref, _ = conv(x, cache=wide[..., 1:].clone(), output_final_state=True)
+    check("y", y, y_ref, 0)
+    assert torch.equal(new, torch.cat([wide, x.transpose(1, 2)], 2)[..., -4:])
+    y0, new0 = conv(x, output_final_state=True, cache_width=4)  # no cache: zeros before the first token
+    assert torch.equal(new0[..., :2], torch.zeros(2, 8, 2, device=DEVICE)) and torch.equal(new0[..., 2:], x.transpose(1, 2))
+    with pytest.raises(ValueError, match=r"`cache_width` must be kernel_size - 1 = 3 or kernel_size = 4, got 2"):
+        conv(x, cache_width=2)
+    with pytest.raises(ValueError, match=r"`cache` must be \[N, 8, 3\], got \[2, 8, 4\]"):
+        conv(x, cache=wide)
+
+
 def test_checkpoint_A_log_shape():
     m = layer()
     sd = m.state_dict()
