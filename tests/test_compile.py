@@ -17,7 +17,18 @@ def test_compiled_layer_forward_backward(mode, rng):
     """Training through a compiled layer equals eager training (the recurrent op's functional form
     has a backward too)."""
     torch.manual_seed(conftest.TEST_SEED)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 32), KimiDeltaAttention(32, 2, 16, mode=mode, lower_bound=-5.0)).to(DEVICE)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 32)
+            self.attn = KimiDeltaAttention(hidden_size=32, num_heads=2, head_dim=16, mode=mode, force_mode=True,
+                                           lower_bound=-5.0)
+
+        def forward(self, x):
+            return self.attn(self.proj(x))[0]
+
+    model = Model().to(DEVICE)
     x = torch.randn(2, 40 if mode == "chunk" else 12, 32, generator=rng).to(DEVICE)
     eager = model(x)
     eager.square().sum().backward()

@@ -29,7 +29,8 @@ def layer(dtype=torch.float32, **kw):
 def test_forward_backward(lower_bound, rng):
     m = layer(lower_bound=lower_bound, mode="chunk")
     x = torch.randn(2, 50, 64, generator=rng).to(DEVICE).requires_grad_()
-    y = m(x)
+    y, attn, past = m(x)
+    assert attn is None and past is None
     assert y.shape == x.shape and torch.isfinite(y).all()
     y.square().mean().backward()
     for name, p in m.named_parameters():
@@ -43,11 +44,11 @@ def test_prefill_then_decode_equals_full_forward(lower_bound, conv, rng):
     T, steps = 70, 6
     x = torch.randn(2, T + steps, 64, generator=rng).to(DEVICE)
     with torch.no_grad():
-        full = layer(lower_bound=lower_bound, conv_size=conv, mode="chunk").eval()(x)
+        full = layer(lower_bound=lower_bound, conv_size=conv, mode="chunk").eval()(x)[0]
         cache = KDACache()
-        outs = [m(x[:, :T], cache=cache)]
+        outs = [m(x[:, :T], cache=cache)[0]]
         for t in range(T, T + steps):
-            outs.append(m(x[:, t: t + 1], cache=cache))
+            outs.append(m(x[:, t: t + 1], cache=cache)[0])
     check("prefill + decode", torch.cat(outs, 1), full, 2e-5)
 
 
@@ -58,8 +59,8 @@ def test_varlen_equals_per_sequence(conv, rng):
     xs = [torch.randn(1, n, 64, generator=rng).to(DEVICE) for n in lens]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE)
     with torch.no_grad():
-        y = m(torch.cat(xs, 1), cu_seqlens=cu)
-        want = torch.cat([m(xi) for xi in xs], 1)
+        y = m(torch.cat(xs, 1), cu_seqlens=cu)[0]
+        want = torch.cat([m(xi)[0] for xi in xs], 1)
     check("varlen", y, want, 2e-6)
 
 
@@ -74,8 +75,8 @@ def test_varlen_decode_with_cache(conv, rng):
     with torch.no_grad():
         cache = KDACache()
         m(torch.cat([x[:, :-1] for x in xs], 1), cache=cache, cu_seqlens=cu)
-        step = m(torch.cat([x[:, -1:] for x in xs], 0), cache=cache)
-        want = torch.cat([layer(mode="chunk", conv_size=conv).eval()(x)[:, -1:] for x in xs], 0)
+        step = m(torch.cat([x[:, -1:] for x in xs], 0), cache=cache)[0]
+        want = torch.cat([layer(mode="chunk", conv_size=conv).eval()(x)[0][:, -1:] for x in xs], 0)
     check("decode after varlen prefill", step, want, 2e-5)
 
 
@@ -90,9 +91,9 @@ def test_cache_reorder(conv, rng):
         cache, alone = KDACache(), KDACache()
         m(x[:, :11], cache=cache)
         cache.reorder(keep)
-        got = m(x[keep, 11:], cache=cache)
+        got = m(x[keep, 11:], cache=cache)[0]
         m(x[keep, :11], cache=alone)
-        want = m(x[keep, 11:], cache=alone)
+        want = m(x[keep, 11:], cache=alone)[0]
     check("decode after reorder", got, want, 1e-6)
 
 
@@ -112,6 +113,24 @@ def test_short_convolution_definition(rng):
     assert torch.equal(new, xp[:, -3:].transpose(1, 2))
 
 
+def test_short_convolution_kernel_size_wide_cache(rng):
+    """cache_width=kernel_size (fla's layout): the cache's oldest input is carried, never read; the
+    new cache is the last kernel_size inputs; the outputs are those of the narrow cache."""
+    conv = ShortConvolution(8, 4).to(DEVICE)
+    x = torch.randn(2, 2, 8, generator=rng).to(DEVICE)
+    wide = torch.randn(2, 8, 4, generator=rng).to(DEVICE)
+    y, new = conv(x, cache=wide, output_final_state=True, cache_width=4)
+    y_ref, _ = conv(x, cache=wide[..., 1:].clone(), output_final_state=True)
+    check("y", y, y_ref, 0)
+    assert torch.equal(new, torch.cat([wide, x.transpose(1, 2)], 2)[..., -4:])
+    y0, new0 = conv(x, output_final_state=True, cache_width=4)  # no cache: zeros before the first token
+    assert torch.equal(new0[..., :2], torch.zeros(2, 8, 2, device=DEVICE)) and torch.equal(new0[..., 2:], x.transpose(1, 2))
+    with pytest.raises(ValueError, match=r"`cache_width` must be kernel_size - 1 = 3 or kernel_size = 4, got 2"):
+        conv(x, cache_width=2)
+    with pytest.raises(ValueError, match=r"`cache` must be \[N, 8, 3\], got \[2, 8, 4\]"):
+        conv(x, cache=wide)
+
+
 def test_checkpoint_A_log_shape():
     m = layer()
     sd = m.state_dict()
@@ -126,8 +145,8 @@ def test_checkpoint_A_log_shape():
 def test_layer_bf16_gpu(rng):
     m = layer(torch.bfloat16, lower_bound=-5.0, mode="chunk")
     x = torch.randn(2, 300, 64, generator=rng).to(DEVICE, torch.bfloat16)
-    ref = layer(torch.float32, lower_bound=-5.0, mode="chunk")(x.float())
-    check("bf16 layer", m(x).float(), ref, 3e-2)
+    ref = layer(torch.float32, lower_bound=-5.0, mode="chunk")(x.float())[0]
+    check("bf16 layer", m(x)[0].float(), ref, 3e-2)
 
 
 def _stand_in_causal_conv1d(calls):
@@ -245,10 +264,22 @@ def test_causal_conv1d_package_matches_torch(rng, monkeypatch):
     (dict(conv_size=-1), ValueError, r"`conv_size` must be a non-negative int \(0: no convolution\), got -1"),
     (dict(conv_size=2.0), ValueError, r"`conv_size` must be a non-negative int .*got 2\.0"),
     (dict(chunk_size=16), ValueError, r"`chunk_size` must be either 32 or 64, got 16"),
-    (dict(lower_bound=-6.0), ValueError, r"`lower_bound` must be in \[-5, 0\) \(the safe gate\), got -6\.0"),
+    (dict(lower_bound=0.0), ValueError, r"`lower_bound` must be None or a finite negative number, got 0\.0"),
+    (dict(lower_bound=-6.0, safe_gate=True), ValueError, r"`safe_gate=True` needs `lower_bound` in \[-5, 0\), got lower_bound=-6\.0"),
+    (dict(safe_gate=True), ValueError, r"`safe_gate=True` needs `lower_bound` in \[-5, 0\), got lower_bound=None"),
     (dict(lower_bound="x"), TypeError, r"`lower_bound` must be a real number or None, got str"),
     (dict(norm_eps=0.0), ValueError, r"`norm_eps` must be a positive finite number, got 0\.0"),
-    (dict(mode="x"), ValueError, r"`mode` must be"),
+    (dict(mode="x"), ValueError, r"`mode` must be 'chunk' or 'fused_recurrent' \(or 'auto'\), got 'x'"),
+    (dict(mode=None), ValueError, r"`mode` must be .*got None"),
+    (dict(mode="auto", force_mode=True), ValueError, r"`force_mode=True` needs `mode` 'chunk' or 'fused_recurrent', got 'auto'"),
+    (dict(expand_v=1.3), ValueError, r"`expand_v`=1\.3 gives a value head dim head_dim \* expand_v = 16 \* 1\.3 = 20\.8.*not a positive integer"),
+    (dict(expand_v=0), ValueError, r"`expand_v` must be a positive finite number, got 0\.0"),
+    (dict(expand_v="2"), TypeError, r"`expand_v` must be a real number or None, got str"),
+    (dict(expand_v=2, head_v_dim=8), ValueError, r"`head_v_dim`=8 disagrees with `expand_v`=2\.0 \(head_dim \* expand_v = 32\.0\)"),
+    (dict(use_short_conv=1), TypeError, r"`use_short_conv` must be a bool, got int: 1"),
+    (dict(conv_bias=None), TypeError, r"`conv_bias` must be a bool, got NoneType: None"),
+    (dict(allow_neg_eigval="yes"), TypeError, r"`allow_neg_eigval` must be a bool, got str: 'yes'"),
+    (dict(layer_idx=-1), ValueError, r"`layer_idx` must be None or a non-negative int, got -1"),
 ])
 def test_constructor_rules(over, exc, match):
     with pytest.raises(exc, match=match):
@@ -286,17 +317,17 @@ def test_varlen_with_host_boundaries(mode, rng):
     host synchronisation per layer): the same outputs and caches as without it."""
     from fastkda import seqlens
 
-    m = layer(conv_size=4, mode=mode).eval()
+    m = layer(conv_size=4, mode=mode, force_mode=True).eval()
     lens = [5, 1, 40, 17]
     cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     cu = cu_cpu.to(DEVICE, torch.int32)
     x = torch.randn(1, sum(lens), 64, generator=rng).to(DEVICE)
     with torch.no_grad():
         want_cache = KDACache()
-        want = m(x, cache=want_cache, cu_seqlens=cu)
+        want = m(x, cache=want_cache, cu_seqlens=cu)[0]
         cache = KDACache()
         with seqlens.no_device_reads():
-            got = m(x, cache=cache, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+            got = m(x, cache=cache, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)[0]
     check("varlen", got, want, 0)
     for k in want_cache.recurrent_states:
         assert torch.equal(cache.recurrent_states[k], want_cache.recurrent_states[k])

@@ -1,14 +1,15 @@
 """KimiDeltaAttention: the token mixer of the Kimi Linear family as an ``nn.Module``.
 
     x -> q, k, v projections -> short causal depthwise conv + SiLU -> KDA (l2norm on q/k,
-    gate -exp(A_log) softplus(f(x) + dt_bias) or the safe lower-bound gate, beta = sigmoid(b(x)))
+    gate -exp(A_log) softplus(f(x) + dt_bias) or the lower-bound gate, beta = sigmoid(b(x)))
     -> gated RMSNorm with a low-rank output gate -> output projection
 
-Chunk mode (training, prefill) runs ``chunk_kda``; recurrent mode (decoding) runs
-``fused_recurrent_kda``. A :class:`KDACache` keeps, per layer, the last ``conv_size - 1``
-projected inputs of every sequence and the recurrent state, so that prefill followed by decode
-steps gives the numbers of one long forward. Parameter names follow the public Kimi Linear
-checkpoints (see docs/layer.md for the mapping).
+The constructor, the forward and the parameter names are those of ``fla.layers.KimiDeltaAttention``
+(flash-linear-attention 0.6.0): fla's state dicts load as they are, and so do the names of the
+public Kimi Linear checkpoints (a load pre-hook renames them; see docs/layer.md). Training and long
+inputs run ``chunk_kda``; decoding runs ``fused_recurrent_kda``. A :class:`KDACache`, or a cache
+with fla's layer-cache interface, keeps every sequence's convolution inputs and recurrent state, so
+that prefill followed by decode steps gives the numbers of one long forward.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -64,10 +67,12 @@ CAUSAL_CONV1D = _causal_conv1d()  # looked up once: no import inside a forward t
 class ShortConvolution(nn.Module):
     """Causal depthwise 1-D convolution over time with SiLU, sequence- and cache-aware.
 
-    ``weight`` is ``[hidden, 1, kernel_size]`` (the layout of ``nn.Conv1d(groups=hidden)``). With
-    ``cu_seqlens`` no window reaches into the previous sequence. ``cache`` ``[N, hidden,
-    kernel_size - 1]`` holds the inputs before the first token of every sequence; the new cache
-    (the last ``kernel_size - 1`` inputs, older ones from the old cache) is returned when asked.
+    ``weight`` is ``[hidden, 1, kernel_size]`` (the layout of ``nn.Conv1d(groups=hidden)``), and
+    both are initialised as ``nn.Conv1d``'s. With ``cu_seqlens`` no window reaches into the previous
+    sequence. ``cache`` ``[N, hidden, kernel_size - 1]`` holds the inputs before the first token of
+    every sequence; the new cache (the last ``kernel_size - 1`` inputs, older ones from the old
+    cache) is returned when asked. With ``cache_width=kernel_size`` the cache keeps the last
+    ``kernel_size`` inputs instead (fla's layout; the oldest one is carried, never read).
 
     On CUDA tensors, with the causal-conv1d package installed, a kernel size of 2 to 4, 16- or
     32-bit floats and a hidden size that divides by 8, its ``causal_conv1d_fn`` does the work (the
@@ -84,13 +89,38 @@ class ShortConvolution(nn.Module):
             raise ValueError(f"`kernel_size` must be a positive int, got {kernel_size!r}")
         self.hidden_size, self.kernel_size, self.activation = hidden_size, kernel_size, activation
         self.weight = nn.Parameter(torch.empty(hidden_size, 1, kernel_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None
+        self.bias = nn.Parameter(torch.empty(hidden_size)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+        if self.bias is not None:  # fan_in = kernel_size
+            nn.init.uniform_(self.bias, -kernel_size**-0.5, kernel_size**-0.5)
+
+    def extra_repr(self) -> str:
+        return (f"{self.hidden_size}, kernel_size={self.kernel_size}, bias={self.bias is not None}, "
+                f"activation={self.activation}")
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, output_final_state: bool = False,
-                cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None):
+                cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None,
+                cache_width: int | None = None):
         """x: ``[B, T, hidden]`` (B = 1 with ``cu_seqlens``). Returns ``(y, new_cache or None)``.
-        ``cu_seqlens_cpu``: the host copy of ``cu_seqlens``, read for the new cache of a varlen batch."""
+        ``cu_seqlens_cpu``: the host copy of ``cu_seqlens``, read for the new cache of a varlen batch.
+        ``cache_width``: inputs kept per channel in ``cache`` and the new cache, ``kernel_size - 1``
+        (default) or ``kernel_size``."""
+        W = self.kernel_size
+        width = W - 1 if cache_width is None else cache_width
+        if width not in (W - 1, W):
+            raise ValueError(f"`cache_width` must be kernel_size - 1 = {W - 1} or kernel_size = {W}, got {cache_width!r}")
+        if cache is not None and (cache.dim() != 3 or cache.shape[1:] != (self.hidden_size, width)):
+            raise ValueError(f"`cache` must be [N, {self.hidden_size}, {width}], got {list(cache.shape)}")
+        if width == W - 1:
+            return self._forward(x, cache, output_final_state, cu_seqlens, cu_seqlens_cpu)
+        y, _ = self._forward(x, None if cache is None else cache[..., 1:], False, cu_seqlens, cu_seqlens_cpu)
+        if not output_final_state:
+            return y, None
+        if cache is None:
+            cache = x.new_zeros(x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1, x.shape[2], W)
+        return y, self._final_cache(x, cache, cu_seqlens, cu_seqlens_cpu)
+
+    def _forward(self, x, cache, output_final_state, cu_seqlens, cu_seqlens_cpu):
         external = self._external(x, cache, output_final_state, cu_seqlens, cu_seqlens_cpu)
         if external is not None:
             return external
@@ -149,12 +179,13 @@ class ShortConvolution(nn.Module):
         return CAUSAL_CONV1D(xt, w, bias, initial_states=init, activation=self.activation).transpose(1, 2), None
 
     def _final_cache(self, x, cache, cu_seqlens, cu_seqlens_cpu=None):
-        W = self.kernel_size
-        if W == 1:  # nothing to keep: no boundaries to read
+        """The last ``cache.shape[-1]`` inputs of every sequence, the cache's before its first token."""
+        width = cache.shape[-1]
+        if width == 0:  # nothing to keep: no boundaries to read
             return cache[..., :0].clone()
 
-        def last(t):  # the last W - 1 inputs (none for W = 1; t[..., -0:] would keep them all)
-            return t[..., t.shape[-1] - (W - 1):]
+        def last(t):  # the last `width` inputs (t[..., -0:] would keep them all)
+            return t[..., t.shape[-1] - width:]
 
         if cu_seqlens is None:
             return last(torch.cat([cache.to(x.dtype), x.transpose(1, 2)], 2)).to(cache.dtype)
@@ -173,6 +204,9 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -197,90 +231,251 @@ class KDACache:
             self.recurrent_states[layer] = s.index_select(0, index)
 
 
+_LOW_RANK_NAMES = {"f_a_proj": "f_proj.0", "f_b_proj": "f_proj.1", "g_a_proj": "g_proj.0", "g_b_proj": "g_proj.1"}
+_MODES = ("chunk", "fused_recurrent", "auto")
+RECURRENT_MAX_TOKENS = 64  # inference inputs of at most this many tokens take the recurrent kernel
+
+
+def _bool(name: str, x) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"`{name}` must be a bool, got {type(x).__name__}: {x!r:.80}")
+    return x
+
+
+def _is_layer_cache(obj) -> bool:
+    """Whether ``obj`` keeps per-layer states the way fla's ``Cache`` does: ``len(obj)`` layers,
+    ``obj[i]`` a dict with ``recurrent_state`` and ``conv_state``, ``obj.update(..., layer_idx=i)``."""
+    return (not isinstance(obj, Mapping) and callable(getattr(obj, "update", None)) and hasattr(obj, "__getitem__")
+            and hasattr(obj, "__len__"))
+
+
 class KimiDeltaAttention(nn.Module):
-    """Kimi Delta Attention layer.
+    """Kimi Delta Attention layer, with the constructor, forward and parameter names of
+    ``fla.layers.KimiDeltaAttention`` (flash-linear-attention 0.6.0).
 
     Args:
         hidden_size: model width.
-        num_heads: q/k heads H. ``num_v_heads`` (HV, default H): value heads (GVA when HV > H).
-        head_dim: K (also V unless ``head_v_dim`` is given).
-        conv_size: short convolution width (0 disables it).
-        lower_bound: None for the softplus gate; a value in [-5, 0) selects the safe lower-bound gate.
-        mode: "auto" (default: the recurrent kernel for short inputs at inference, else chunked),
-            "chunk" or "fused_recurrent".
-        layer_idx: key of this layer in a :class:`KDACache`.
+        expand_v: value head dim over key head dim; ``head_dim * expand_v`` must be an integer.
+        head_dim: K, the key head dim (at most 256).
+        num_heads: q/k heads H.
+        num_v_heads: value heads HV (default H); a multiple of H (grouped value heads).
+        mode: ``"chunk"`` or ``"fused_recurrent"``: the kernel for inputs of more than 64 tokens at
+            inference. Gradients always take the chunked kernel and inference inputs of at most 64
+            tokens (decoding) the recurrent one, unless ``force_mode``. ``"auto"`` is ``"chunk"``.
+        use_short_conv: the causal depthwise convolution (with SiLU) on q, k, v; without it q, k, v
+            are ``silu`` of their projections.
+        allow_neg_eigval: ``beta = 2 * sigmoid(b_proj(x))``, in (0, 2).
+        safe_gate: promise the kernels that every gate lies in ``[lower_bound, 0)``; needs
+            ``lower_bound`` in [-5, 0). It also starts ``A_log`` at 0.
+        lower_bound: None for the gate ``-exp(A_log) * softplus(f + dt_bias)``; a negative number
+            for ``lower_bound * sigmoid(exp(A_log) * (f + dt_bias))``.
+        conv_size: width of the short convolution; 0 leaves it out and keeps q, k, v as projected.
+        conv_bias: a bias in the short convolution.
+        layer_idx: this layer's index in a model's cache (needed with ``past_key_values``).
+        norm_eps: epsilon of the output RMSNorm.
+
+    Options of fastkda's own (keyword only):
+        head_v_dim: V directly, instead of ``expand_v``.
+        chunk_size: 32 or 64, for ``chunk_kda``.
+        force_mode: run ``mode``'s kernel for every input, training included.
+
+    Other keyword arguments are ignored with a warning.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, num_v_heads: int | None = None,
-                 head_v_dim: int | None = None, conv_size: int = 4, lower_bound: float | None = None,
-                 mode: str = "auto", norm_eps: float = 1e-6, layer_idx: int = 0, chunk_size: int = 64):
+    def __init__(self, hidden_size: int = 2048, expand_v: float = 1, head_dim: int = 128, num_heads: int = 16,
+                 num_v_heads: int | None = None, mode: str = "chunk", use_short_conv: bool = True,
+                 allow_neg_eigval: bool = False, safe_gate: bool = False, lower_bound: float | None = None,
+                 conv_size: int = 4, conv_bias: bool = False, layer_idx: int | None = None, norm_eps: float = 1e-5,
+                 *, head_v_dim: int | None = None, chunk_size: int = 64, force_mode: bool = False, **kwargs):
         super().__init__()
-        if mode not in ("auto", "chunk", "fused_recurrent"):
-            raise ValueError(f"`mode` must be 'auto', 'chunk' or 'fused_recurrent', got {mode!r}")
+        if kwargs:
+            warnings.warn(f"KimiDeltaAttention ignores the keyword arguments {sorted(kwargs)}", UserWarning, stacklevel=2)
+        if not isinstance(mode, str) or mode not in _MODES:
+            raise ValueError(f"`mode` must be 'chunk' or 'fused_recurrent' (or 'auto'), got {mode!r}")
         hidden_size, num_heads = _int("hidden_size", hidden_size, 1), _int("num_heads", num_heads, 1)
         head_dim = _int("head_dim", head_dim, 1, MAX_K)
         num_v_heads = _int("num_v_heads", num_v_heads, 1, optional=True)
-        head_v_dim = _int("head_v_dim", head_v_dim, 1, optional=True)
+        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        if num_v_heads % num_heads:
+            raise ValueError(f"`num_v_heads`={num_v_heads} must be a multiple of `num_heads`={num_heads}")
+        expand_v = real_number("expand_v", expand_v)
+        if not (math.isfinite(expand_v) and expand_v > 0):
+            raise ValueError(f"`expand_v` must be a positive finite number, got {expand_v!r}")
+        wanted = head_dim * expand_v
+        if head_v_dim is None:
+            head_v_dim = round(wanted)
+            if head_v_dim < 1 or not math.isclose(wanted, head_v_dim, rel_tol=1e-5):
+                raise ValueError(f"`expand_v`={expand_v!r} gives a value head dim head_dim * expand_v = {head_dim} * "
+                                 f"{expand_v!r} = {wanted!r}, which is not a positive integer")
+        else:
+            head_v_dim = _int("head_v_dim", head_v_dim, 1, optional=True)
+            if expand_v != 1 and not math.isclose(wanted, head_v_dim, rel_tol=1e-5):
+                raise ValueError(f"`head_v_dim`={head_v_dim} disagrees with `expand_v`={expand_v!r} (head_dim * expand_v "
+                                 f"= {wanted!r}): give one of them")
+            expand_v = head_v_dim / head_dim
+        use_short_conv, conv_bias = _bool("use_short_conv", use_short_conv), _bool("conv_bias", conv_bias)
+        allow_neg_eigval, safe_gate = _bool("allow_neg_eigval", allow_neg_eigval), _bool("safe_gate", safe_gate)
+        force_mode = _bool("force_mode", force_mode)
+        if force_mode and mode == "auto":
+            raise ValueError("`force_mode=True` needs `mode` 'chunk' or 'fused_recurrent', got 'auto'")
         conv_size = _int("conv_size", conv_size, 0, what="a non-negative int (0: no convolution)")
+        layer_idx = _int("layer_idx", layer_idx, 0, optional=True, what="a non-negative int")
         chunk_size = chunk_size_of(chunk_size)
         if lower_bound is not None:
             lower_bound = real_number("lower_bound", lower_bound)
-            if not (-5.0 <= lower_bound < 0.0):
-                raise ValueError(f"`lower_bound` must be in [-5, 0) (the safe gate), got {lower_bound}")
+            if not (math.isfinite(lower_bound) and lower_bound < 0):
+                raise ValueError(f"`lower_bound` must be None or a finite negative number, got {lower_bound!r}")
+        if safe_gate and (lower_bound is None or not -5.0 <= lower_bound < 0.0):
+            raise ValueError(f"`safe_gate=True` needs `lower_bound` in [-5, 0), got lower_bound={lower_bound!r}")
         eps = real_number("norm_eps", norm_eps)
         if not (math.isfinite(eps) and eps > 0):
             raise ValueError(f"`norm_eps` must be a positive finite number, got {norm_eps!r}")
-        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
-        self.num_v_heads = num_v_heads or num_heads
-        if self.num_v_heads % num_heads:
-            raise ValueError(f"`num_v_heads`={self.num_v_heads} must be a multiple of `num_heads`={num_heads}")
-        self.head_v_dim = head_v_dim or head_dim
-        self.conv_size, self.lower_bound, self.mode = conv_size, lower_bound, mode
-        self.layer_idx, self.chunk_size = layer_idx, chunk_size
-        key_dim, value_dim = num_heads * head_dim, self.num_v_heads * self.head_v_dim
-        self.q_proj = nn.Linear(hidden_size, key_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, key_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, value_dim, bias=False)
-        if conv_size > 0:
-            self.q_conv1d = ShortConvolution(key_dim, conv_size)
-            self.k_conv1d = ShortConvolution(key_dim, conv_size)
-            self.v_conv1d = ShortConvolution(value_dim, conv_size)
-        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)  # low-rank forget gate
-        self.f_b_proj = nn.Linear(head_dim, self.num_v_heads * head_dim, bias=False)
-        self.b_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
-        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32).uniform_(1, 16).log())
-        self.dt_bias = nn.Parameter(torch.zeros(self.num_v_heads * head_dim, dtype=torch.float32))
-        self.g_a_proj = nn.Linear(hidden_size, self.head_v_dim, bias=False)  # low-rank output gate
-        self.g_b_proj = nn.Linear(self.head_v_dim, value_dim, bias=False)
-        self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
-        self.o_proj = nn.Linear(value_dim, hidden_size, bias=False)
+
+        self.hidden_size, self.expand_v, self.head_dim = hidden_size, expand_v, head_dim
+        self.num_heads, self.num_v_heads = num_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_dim, head_v_dim
+        self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * head_v_dim
+        self.gate_dim = num_v_heads * head_dim
+        self.mode, self.force_mode, self.chunk_size = mode, force_mode, chunk_size
+        self.use_short_conv, self.conv_size, self.conv_bias = use_short_conv, conv_size, conv_bias
+        self.allow_neg_eigval, self.safe_gate, self.lower_bound = allow_neg_eigval, safe_gate, lower_bound
+        self.layer_idx, self.norm_eps = layer_idx, eps
+
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        if self.has_conv:
+            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias)
+            self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias)
+            self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias)
+        # low-rank forget gate (rank V) -> [HV * K], activated in the kernel with A_log and dt_bias
+        self.f_proj = nn.Sequential(nn.Linear(hidden_size, head_v_dim, bias=False),
+                                    nn.Linear(head_v_dim, self.gate_dim, bias=False))
+        self.b_proj = nn.Linear(hidden_size, num_v_heads, bias=False)
+        if safe_gate:
+            A_log = torch.zeros(num_v_heads, dtype=torch.float32)
+        else:
+            A_log = torch.empty(num_v_heads, dtype=torch.float32).uniform_(1, 16).log()
+        self.A_log = nn.Parameter(A_log)
+        # dt log-uniform in [1e-3, 1e-1]; dt_bias = softplus^-1(dt) = dt + log(1 - exp(-dt))
+        lo, hi = math.log(1e-3), math.log(1e-1)
+        dt = (lo + (hi - lo) * torch.rand(self.gate_dim, dtype=torch.float32)).exp().clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        # low-rank output gate (rank V, with a bias) -> [HV * V]
+        self.g_proj = nn.Sequential(nn.Linear(hidden_size, head_v_dim, bias=False),
+                                    nn.Linear(head_v_dim, self.value_dim, bias=True))
+        self.o_norm = GatedRMSNorm(head_v_dim, eps=eps)
+        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
         self._register_load_state_dict_pre_hook(self._load_hook)
+
+    @property
+    def has_conv(self) -> bool:
+        return self.use_short_conv and self.conv_size > 0
+
+    def extra_repr(self) -> str:
+        return (f"mode={self.mode!r}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
+                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, lower_bound={self.lower_bound}, "
+                f"safe_gate={self.safe_gate}, allow_neg_eigval={self.allow_neg_eigval}, layer_idx={self.layer_idx}")
 
     @staticmethod
     def _load_hook(state_dict, prefix, *args):
-        """Checkpoints store A_log as [1, 1, HV, 1]; keep the values, drop the unit dims."""
+        """Kimi Linear checkpoints (and fastkda's earlier layer) name the low-rank pairs
+        ``f_a_proj``/``f_b_proj``/``g_a_proj``/``g_b_proj`` (the output gate without a bias) and store
+        ``A_log`` as ``[1, 1, HV, 1]``: rename, add a zero output-gate bias, keep A_log's values."""
         key = prefix + "A_log"
         if key in state_dict and state_dict[key].dim() != 1:
             state_dict[key] = state_dict[key].reshape(-1)
+        g_b = state_dict.get(prefix + "g_b_proj.weight")
+        for old, new in _LOW_RANK_NAMES.items():
+            for p in ("weight", "bias"):
+                if prefix + f"{old}.{p}" in state_dict:
+                    state_dict[prefix + f"{new}.{p}"] = state_dict.pop(prefix + f"{old}.{p}")
+        if g_b is not None and prefix + "g_proj.1.bias" not in state_dict:
+            state_dict[prefix + "g_proj.1.bias"] = g_b.new_zeros(g_b.shape[0])
 
-    def _conv(self, name, x, cache, layer_cache, cu_seqlens, cu_seqlens_cpu):
-        if self.conv_size == 0:
-            return x, None
-        conv = getattr(self, f"{name}_conv1d")
-        return conv(x, cache=layer_cache, output_final_state=cache is not None, cu_seqlens=cu_seqlens,
-                    cu_seqlens_cpu=cu_seqlens_cpu)
+    def _recurrent(self, T: int) -> bool:
+        """Whether this call runs the recurrent kernel."""
+        if self.force_mode:
+            return self.mode == "fused_recurrent"
+        if torch.is_grad_enabled():
+            return False
+        if T <= RECURRENT_MAX_TOKENS and not self.training:
+            return True
+        return self.mode == "fused_recurrent"
 
-    def forward(self, hidden_states: torch.Tensor, cache: KDACache | None = None,
-                cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
-        """``hidden_states`` ``[B, T, hidden]`` (B = 1 with ``cu_seqlens``) -> ``[B, T, hidden]``.
+    def _read_cache(self, past_key_values, N: int):
+        """``(kind, (conv_q, conv_k, conv_v), recurrent_state)`` of this layer in the cache; kind is
+        None (no cache), "kda" (a KDACache) or "layers" (a cache with fla's interface)."""
+        if past_key_values is None:
+            return None, (None, None, None), None
+        if isinstance(past_key_values, KDACache):
+            kind, key = "kda", self._kda_key
+            convs = past_key_values.conv_states.get(key, (None, None, None))
+            state = past_key_values.recurrent_states.get(key)
+        elif _is_layer_cache(past_key_values):
+            if self.layer_idx is None:
+                raise ValueError("`past_key_values` needs the layer's `layer_idx` (its index in the model's cache), "
+                                 "got layer_idx=None")
+            kind = "layers"
+            entry = past_key_values[self.layer_idx] if len(past_key_values) > self.layer_idx else None
+            entry = entry or {}
+            convs, state = entry.get("conv_state"), entry.get("recurrent_state")
+            convs = (None, None, None) if convs is None else tuple(convs)
+        else:
+            raise TypeError("`past_key_values` must be a KDACache, a cache with fla's layer-cache interface or None, "
+                            f"got {type(past_key_values).__name__}")
+        held = {t.shape[0] for t in (*convs, state) if t is not None}
+        if held and held != {N}:
+            layer = self._kda_key if kind == "kda" else self.layer_idx
+            raise ValueError(f"`cache` holds {min(held)} sequences for layer {layer}, but the input has {N} (its batch "
+                             "size, or len(cu_seqlens) - 1): use a new cache, or reorder it")
+        return kind, convs, state
 
-        With ``cache``, the states of this layer are read (if present) and updated in it; the cache
-        must hold as many sequences as the input. ``cu_seqlens_cpu``: the host copy of a device
-        ``cu_seqlens`` (the same values), so that the layer reads nothing back from the device;
-        without it a chunked varlen call reads the boundaries once per layer.
+    @property
+    def _kda_key(self):
+        return 0 if self.layer_idx is None else self.layer_idx
+
+    def _conv(self, name, x, conv_cache, output_final_state, cu_seqlens, cu_seqlens_cpu, cache_width):
+        if not self.has_conv:
+            return (x if self.use_short_conv else F.silu(x)), None
+        return getattr(self, f"{name}_conv1d")(x, cache=conv_cache, output_final_state=output_final_state,
+                                               cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                                               cache_width=cache_width)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values=None, use_cache: bool | None = False, output_attentions: bool | None = False, *,
+                cache: KDACache | None = None, cu_seqlens: torch.Tensor | None = None,
+                cu_seqlens_cpu: torch.Tensor | None = None, **kwargs):
+        """``hidden_states`` ``[B, T, hidden]`` -> ``(o [B, T, hidden], None, past_key_values)``.
+
+        Args:
+            attention_mask: ``[B, T']`` with ``T' >= T``, 1 for a token and 0 for padding; its last
+                T columns mark the tokens of this call. Padding is removed before the projections
+                (the batch runs as B variable-length sequences) and its outputs are zeros.
+            past_key_values: a :class:`KDACache` or a cache with fla's interface (``fla.models.utils.Cache``):
+                this layer's states are read from it when present, and written to it with ``use_cache``.
+                With fla's cache the states have fla's layouts (convolution ``[N, dim, conv_size]``,
+                recurrent ``[N, HV, V, K]``), so fla's layer and this one can share it.
+            use_cache: write the new states to ``past_key_values``.
+            output_attentions: ignored (no attention weights); the second output is None.
+            cache: a :class:`KDACache` to read and update (``past_key_values=cache, use_cache=True``).
+            cu_seqlens: ``[N + 1]`` boundaries of a flattened batch (B = 1); it takes precedence over
+                ``attention_mask``. ``cu_seqlens_cpu``: its host copy, so that nothing is read back.
+            kwargs: ignored.
         """
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            raise TypeError("`attention_mask` must be a [batch, seq_len] tensor or None, got "
+                            f"{type(attention_mask).__name__}; pass a cache as `past_key_values=` (with use_cache=True) "
+                            "or `cache=`")
+        if cache is not None:
+            if past_key_values is not None:
+                raise ValueError("pass the cache once: as `cache` or as `past_key_values`, not both")
+            past_key_values, use_cache = cache, True
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+            raise ValueError(f"`hidden_states` must be a [batch, seq_len, hidden_size] tensor, got {hidden_states!r:.80}")
         B, T, _ = hidden_states.shape
-        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
         if cu_seqlens_cpu is not None:
             if cu_seqlens is None:
                 raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
@@ -288,43 +483,57 @@ class KimiDeltaAttention(nn.Module):
                     or cu_seqlens_cpu.shape != cu_seqlens.shape:
                 raise ValueError(f"`cu_seqlens_cpu` must be a CPU tensor shaped like cu_seqlens {list(cu_seqlens.shape)}, "
                                  f"got {cu_seqlens_cpu!r:.80}")
-        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        conv_q = conv_k = conv_v = None
-        state = None
-        if cache is not None:
-            conv_q, conv_k, conv_v = cache.conv_states.get(self.layer_idx, (None, None, None))
-            state = cache.recurrent_states.get(self.layer_idx)
-            held = {t.shape[0] for t in (conv_q, conv_k, conv_v, state) if t is not None}
-            if held and held != {N}:
-                raise ValueError(f"`cache` holds {min(held)} sequences for layer {self.layer_idx}, but the input has {N} "
-                                 "(its batch size, or len(cu_seqlens) - 1): use a new KDACache, or KDACache.reorder")
-        recurrent = self.mode == "fused_recurrent" or (self.mode == "auto" and not self.training and T <= 64)
+        indices = None
+        if attention_mask is not None and cu_seqlens is None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+                raise ValueError(f"`attention_mask` must be [batch, seq_len] = [{B}, >= {T}] with 1 for tokens and 0 for "
+                                 f"padding, got shape {list(attention_mask.shape)}")
+            keep = attention_mask[:, attention_mask.shape[1] - T:].to(hidden_states.device) != 0
+            indices = keep.flatten().nonzero().squeeze(1)
+            cu_seqlens = F.pad(keep.sum(-1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+            hidden_states = hidden_states.reshape(B * T, -1).index_select(0, indices)[None]
+        x = hidden_states
+        Bx, Tx = x.shape[:2]
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        N = Bx if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        kind, (conv_q, conv_k, conv_v), state = self._read_cache(past_key_values, N)
+        write = kind is not None and bool(use_cache)
+        layers_layout = kind == "layers"
+        conv_width = self.conv_size if layers_layout else None
+        recurrent = self._recurrent(T)
         host = cu_seqlens_cpu
         if host is None and cu_seqlens is not None and not torch.compiler.is_compiling():
             if cu_seqlens.device.type == "cpu":
                 host = cu_seqlens
-            elif not recurrent or (cache is not None and self.conv_size > 1):  # read once for chunk_kda and the cache
+            elif not recurrent or (write and self.has_conv and self.conv_size > 1):  # read once: chunk_kda, the cache
                 host = seqlens.host_seqlens(cu_seqlens)
-        q, conv_q = self._conv("q", self.q_proj(hidden_states), cache, conv_q, cu_seqlens, host)
-        k, conv_k = self._conv("k", self.k_proj(hidden_states), cache, conv_k, cu_seqlens, host)
-        v, conv_v = self._conv("v", self.v_proj(hidden_states), cache, conv_v, cu_seqlens, host)
-        g = self.f_b_proj(self.f_a_proj(hidden_states))
-        beta = self.b_proj(hidden_states)
-        q, k = q.view(B, T, H, K), k.view(B, T, H, K)
-        v, g = v.view(B, T, HV, V), g.view(B, T, HV, K)
+        q, conv_q = self._conv("q", self.q_proj(x), conv_q, write, cu_seqlens, host, conv_width)
+        k, conv_k = self._conv("k", self.k_proj(x), conv_k, write, cu_seqlens, host, conv_width)
+        v, conv_v = self._conv("v", self.v_proj(x), conv_v, write, cu_seqlens, host, conv_width)
+        g = self.f_proj(x)
+        beta = self.b_proj(x)
+        q, k = q.view(Bx, Tx, H, K), k.view(Bx, Tx, H, K)
+        v, g = v.view(Bx, Tx, HV, V), g.view(Bx, Tx, HV, K)
         kw = dict(
-            initial_state=state, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
-            lower_bound=self.lower_bound, cu_seqlens=cu_seqlens,
+            initial_state=state, output_final_state=write, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval, A_log=self.A_log,
+            dt_bias=self.dt_bias, lower_bound=self.lower_bound, state_v_first=layers_layout, cu_seqlens=cu_seqlens,
         )
         if recurrent:
             o, state = fused_recurrent_kda(q, k, v, g, beta, **kw)
-        else:
-            o, state = chunk_kda(q, k, v, g, beta, safe_gate=self.lower_bound is not None, chunk_size=self.chunk_size,
+        else:  # with a lower bound in [-5, 0) every gate lies in [lower_bound, 0): the safe gate's kernels apply
+            safe = self.safe_gate or (self.lower_bound is not None and -5.0 <= self.lower_bound < 0.0)
+            o, state = chunk_kda(q, k, v, g, beta, safe_gate=safe, chunk_size=self.chunk_size,
                                  cu_seqlens_cpu=host if cu_seqlens is not None else None, **kw)
-        if cache is not None:
-            cache.conv_states[self.layer_idx] = (conv_q, conv_k, conv_v)
-            cache.recurrent_states[self.layer_idx] = state
-        gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(B, T, HV, V)
-        o = self.o_norm(o, gate)
-        return self.o_proj(o.reshape(B, T, HV * V))
+        if write:
+            if kind == "kda":
+                past_key_values.conv_states[self._kda_key] = (conv_q, conv_k, conv_v)
+                past_key_values.recurrent_states[self._kda_key] = state
+            else:
+                convs = (conv_q, conv_k, conv_v) if self.has_conv else None
+                past_key_values.update(recurrent_state=state, conv_state=convs, layer_idx=self.layer_idx, offset=T)
+        o = self.o_norm(o, self.g_proj(x).view(Bx, Tx, HV, V))
+        o = self.o_proj(o.reshape(Bx, Tx, HV * V))
+        if indices is not None:
+            o = o.new_zeros(B * T, o.shape[-1]).index_copy(0, indices, o[0]).view(B, T, -1)
+        return o, None, past_key_values
