@@ -108,7 +108,7 @@ def test_bf16_products(name, rng, launch_log):
         errors.append(rel_rms(o, o_ref))
     assert errors[1] != errors[0], "BF16_PRODUCTS changed nothing"
     assert errors[1] <= 2 * errors[0], f"bfloat16 products: error {errors[1]:.3g} against {errors[0]:.3g} with tf32"
-    opts, _ = plain_options(x)
+    opts, _ = plain_options(make_inputs(Case(T=20, gate="softplus")))  # the whole-chunk path in inference
     for dt, prec in ((torch.float16, "tf32"), (torch.float32, "ieee")):
         s1 = chunk_plan(opts, dt, False, 4, Device(132, False), Tuning()).stage1
         assert s1.intra_prec == prec, (dt, s1.intra_prec)

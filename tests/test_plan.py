@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import BACKENDS
+from conftest import BACKENDS, DEVICE
 from helpers import plain_options
 
 from fastkda.backends.triton import plan as P
@@ -180,7 +180,7 @@ def test_explain_shows_the_plan():
     """``fastkda.explain`` names the backend and, for the Triton backend, prints the call's plan."""
     import fastkda
 
-    x = make_inputs(Case(T=70, gate="softplus", dtype=torch.bfloat16), device="cpu")
+    x = make_inputs(Case(T=70, gate="softplus", dtype=torch.bfloat16), device=DEVICE)
     with fastkda.use_backend("triton"):
         e = fastkda.explain(fastkda.chunk_kda, **x)
         backend, reasons = e

@@ -18,19 +18,6 @@ TESTING = "fastkda.testing"
 # against its float64 reference.
 TEST_HARNESSES = {"fastkda.cli"}
 
-# Library modules that still import fastkda.testing (its allocation helper new_empty): the Triton
-# backend's kernel modules, until that helper lives in the library. Each is skipped, by name, while it
-# imports fastkda.testing, and fails once it no longer does (remove it here then): this set only
-# shrinks.
-PENDING = {
-    "fastkda.backends.triton.bwd_chunk",
-    "fastkda.backends.triton.bwd_scan",
-    "fastkda.backends.triton.common",
-    "fastkda.backends.triton.gate",
-    "fastkda.backends.triton.prepare",
-    "fastkda.backends.triton.recurrent",
-    "fastkda.backends.triton.scan",
-}
 
 
 def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
@@ -172,17 +159,13 @@ def test_no_import_circles():
 
 
 def test_the_exceptions_are_modules():
-    gone = (PENDING | TEST_HARNESSES) - set(MODULES)
+    gone = TEST_HARNESSES - set(MODULES)
     assert not gone, f"not modules of fastkda (remove them from the sets): {sorted(gone)}"
 
 
 @pytest.mark.parametrize("module", sorted(set(MODULES) - {TESTING}))
 def test_library_code_does_not_import_testing(module):
     imports = TESTING in IMPORTED[module]
-    if module in PENDING:
-        assert imports, f"{module} no longer imports {TESTING}: remove it from PENDING"
-        pytest.skip(f"{module} imports {TESTING} (new_empty) until the Triton backend allocates with a library "
-                    "helper (PENDING)")
     if module not in TEST_HARNESSES:
         assert not imports, f"{module} imports {TESTING}, the test helpers (float64 reference included)"
 
@@ -193,7 +176,7 @@ def test_the_package_does_not_reach_testing():
     graph, seen, todo = _graph(IMPORTED), set(), ["fastkda"]
     while todo:
         m = todo.pop()
-        if m in seen or m in PENDING or m in TEST_HARNESSES:
+        if m in seen or m in TEST_HARNESSES:
             continue
         seen.add(m)
         todo.extend(graph[m])

@@ -48,6 +48,33 @@ class Backend:
     def run(self, op: str, opts: Any, inputs: Any):
         return getattr(self, op)(opts, inputs)
 
+    def describe_plan(self, op: str, opts: Any, inputs: Any) -> str | None:
+        """What this backend would launch for the call, as text (None: nothing to say)."""
+        return None
+
+
+class Explanation(tuple):
+    """``(backend, reasons)``: the backend a call would run and the ``(backend, reason)`` of every
+    backend considered; ``plan``: that backend's plan of the call as text (None if it has none).
+    ``str()`` gives all three."""
+
+    def __new__(cls, backend: str, reasons: list, plan: str | None):
+        self = super().__new__(cls, (backend, reasons))
+        self.plan = plan
+        return self
+
+    @property
+    def backend(self) -> str:
+        return self[0]
+
+    @property
+    def reasons(self) -> list:
+        return self[1]
+
+    def __str__(self) -> str:
+        lines = [f"backend: {self.backend}", *(f"  {name}: {why}" for name, why in self.reasons)]
+        return "\n".join(lines + ([self.plan] if self.plan else []))
+
 
 _BACKENDS: dict[str, Backend] = {}
 _local = threading.local()
@@ -154,10 +181,10 @@ def register_operator(fn, op: str) -> None:
     _OPERATORS[fn] = op
 
 
-def explain(fn, *args, **kwargs) -> tuple[str, list[tuple[str, str]]]:
+def explain(fn, *args, **kwargs) -> Explanation:
     """Which backend ``fn`` (:func:`fastkda.chunk_kda` or :func:`fastkda.fused_recurrent_kda`) would
-    run for these arguments, and the ``(backend, reason)`` of every backend considered. Validates
-    like the call."""
+    run for these arguments, the ``(backend, reason)`` of every backend considered, and (``.plan``)
+    what that backend would launch. Validates like the call; launches nothing."""
     if fn not in _OPERATORS:
         raise TypeError(f"`fn` must be fastkda.chunk_kda or fastkda.fused_recurrent_kda, got {fn!r}")
     op = _OPERATORS[fn]
@@ -169,4 +196,4 @@ def explain(fn, *args, **kwargs) -> tuple[str, list[tuple[str, str]]]:
     q, k, v, _ = autocast_qkv(*tensors[:3])
     opts, inputs = _BUILDERS[op](q, k, v, *tensors[3:], **call)
     backend, reasons = select(op, opts, inputs)
-    return backend.name, reasons
+    return Explanation(backend.name, reasons, backend.describe_plan(op, opts, inputs))

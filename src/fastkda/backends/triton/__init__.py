@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from ... import platform
-from ...options import KDAInputs, KDAOptions
 from ..registry import Backend, forced_backend, needs_grad
 from .function import chunk_forward, chunk_kda_autograd, chunk_kda_vjp, plan_of
+from .plan import current_tuning, decode_plan
 from .recurrent import recurrent_forward
 from . import gate as gate_kernels
 
@@ -60,6 +60,15 @@ class TritonBackend(Backend):
         if s.K > MAX_DIM or s.V > MAX_DIM:
             return False, f"K={s.K}, V={s.V}: the Triton kernels take K, V <= {MAX_DIM}"
         return True, reason
+
+    def describe_plan(self, op, opts, inputs):
+        if op == "chunk_kda":
+            return plan_of(opts, inputs, train=needs_grad(inputs)).describe()
+        if op == "fused_recurrent_kda":
+            p = decode_plan(opts.shape.K, current_tuning())
+            return (f"decode plan: {p.BV} value cols per program ({p.launch.warps} warps)"
+                    + (", slot check" if opts.pool and p.slot_check else ""))
+        return None
 
     def chunk_kda(self, opts, inputs):
         if needs_grad(inputs):

@@ -51,6 +51,22 @@ def recorded_launches(before: Callable[[Launched], None] | None = None) -> Itera
         _RECORD.reset(token)
 
 
+def current_record():
+    """The active recording (None: none), for work that runs in another thread on this call's
+    behalf: the autograd engine runs CUDA backwards in a thread of its own (``recording``)."""
+    return _RECORD.get()
+
+
+@contextlib.contextmanager
+def recording(record) -> Iterator[None]:
+    """Make ``record`` (from ``current_record``) the active recording inside the block."""
+    token = _RECORD.set(record)
+    try:
+        yield
+    finally:
+        _RECORD.reset(token)
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``, recorded inside ``recorded_launches``."""
     record = _RECORD.get()

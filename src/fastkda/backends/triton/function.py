@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from ...options import KDAInputs, KDAOptions, graph_chunk_slots
 from .backward import gradients
-from .common import chunk_tables, contiguous_inputs, graph_seqlens
+from .common import chunk_tables, contiguous_inputs, current_record, graph_seqlens, recording
 from .forward import Stage1, chunk_tables_of, forward_stages
 from .plan import ChunkPlan, cdiv, chunk_plan, current_tuning, device_facts
 
@@ -126,28 +126,30 @@ class ChunkKDAFunction(torch.autograd.Function):
         ctx.x = x._replace(**{n: None for n in _INPUTS})
         ctx.opts = opts
         ctx.plan = plan_of(opts, x, train=True)  # the forward's (a cached pure function of the same facts)
+        ctx.record = current_record()  # launches of the backward (another thread on CUDA) are recorded too
 
     @staticmethod
     @once_differentiable  # the kernels' backward has no backward: a double backward raises
     def backward(ctx, do, dht, *_):
-        opts, plan = ctx.opts, ctx.plan
-        saved = ctx.saved_tensors
-        x = ctx.x._replace(**dict(zip(_INPUTS, saved[:len(_INPUTS)])))
-        k = Kept(*saved[len(_INPUTS):])
-        x, bad = graph_inputs(opts, contiguous_inputs(x))
-        if do is None:  # a loss of the final state alone (o has v's shape and dtype)
-            do = torch.zeros_like(x.v)
-        need_dh0 = x.initial_state is not None and ctx.needs_input_grad[9]
-        p = Stage1(k.w, k.u, k.qg, k.kd, k.Aqk, k.gl, k.gc, k.ga, k.ls, k.xs, k.rs,
-                   *chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu), k.gd, k.gok, k.xh)
-        if opts.disable_recompute:
-            stage = [p, k.h, k.vn]
-        else:
-            stage = _recompute(opts, plan, x, p)
-        del k, p, saved
-        grads = gradients(opts, plan, x, stage, do, dht, need_dh0)
-        poison(bad, *grads)
-        return None, None, *grads
+        with recording(ctx.record):  # CUDA backwards run in the autograd engine's thread
+            opts, plan = ctx.opts, ctx.plan
+            saved = ctx.saved_tensors
+            x = ctx.x._replace(**dict(zip(_INPUTS, saved[:len(_INPUTS)])))
+            k = Kept(*saved[len(_INPUTS):])
+            x, bad = graph_inputs(opts, contiguous_inputs(x))
+            if do is None:  # a loss of the final state alone (o has v's shape and dtype)
+                do = torch.zeros_like(x.v)
+            need_dh0 = x.initial_state is not None and ctx.needs_input_grad[9]
+            p = Stage1(k.w, k.u, k.qg, k.kd, k.Aqk, k.gl, k.gc, k.ga, k.ls, k.xs, k.rs,
+                       *chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu), k.gd, k.gok, k.xh)
+            if opts.disable_recompute:
+                stage = [p, k.h, k.vn]
+            else:
+                stage = _recompute(opts, plan, x, p)
+            del k, p, saved
+            grads = gradients(opts, plan, x, stage, do, dht, need_dh0)
+            poison(bad, *grads)
+            return None, None, *grads
 
 
 def _recompute(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, intra: Stage1 | None = None) -> list:

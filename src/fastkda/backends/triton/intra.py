@@ -12,7 +12,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_gates import DIAG_SPAN  # noqa: F401  (named in docstrings: the bound of gok's bit 0)
 from .common import chunk_program
 from .tiles import (anchored_level, block_pairs, block_sums, chunk_form, cum_gates, cum_gates_lo, gates_after, row_of,
                     half_pairs, load_tile, per_block, prod, rnorm, split_level, store_block, store_tile)
@@ -88,7 +87,7 @@ def _block_pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, J, C: tl.co
 def _middle_anchor(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, EXACT_SUMS: tl.constexpr):
     """The middle anchor's factors e^(G - G_m) and e^(G_m - G) [C, BS], m the middle token (8) of each
     row's 16-token block: up to 8 gates (|exponent| <= 58 for bounded gates; for others at most the
-    span that chunk_form's gok bit 0 admits, DIAG_SPAN). EXACT_SUMS: exact sums, as _anchored's. The
+    span that chunk_form's gok bit 0 admits, chunk_gates.DIAG_SPAN). EXACT_SUMS: exact sums, as _anchored's. The
     anchors' gates load as [C // 16, BS] and spread over their blocks (per_block), not gathered per
     row (fewer loads)."""
     C: tl.constexpr = o_c.shape[0]
@@ -166,7 +165,7 @@ def kda_fwd_intra_chunk_kernel(
     (gc, from the gates kernel in WHOLE mode). For gates of at least -5 (-7.22 in base 2)
     |G| <= 462, so the difference of two such sums carries an error of about 1e-4 at most. With EXACT_SUMS
     (unbounded gates) the sums are exact (gc + gd), and the diagonal blocks of a chunk where the
-    middle anchor would make a factor above 2^DIAG_SPAN (gok = 0) take four levels of half-segment
+    middle anchor would make a factor above 2^chunk_gates.DIAG_SPAN (gok = 0) take four levels of half-segment
     pairs (16, 8, 4, 2 tokens) and the diagonal instead. SELECT (the plan's split passes): 1, only the chunks with
     gok == 1; 2, only the others; 0, every chunk. (One program for both matrices held 255
     registers, 2 blocks per SM.) The row norms of q and k come from the tiles read here (part 0
