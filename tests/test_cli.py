@@ -67,15 +67,25 @@ def test_bench_forced_backend_named(tmp_path, monkeypatch, capsys):
 
 def test_bench_fastkda_failure_is_an_error(tmp_path, monkeypatch, capsys):
     """fastkda failing during the sweep (it is timed first) ends it with exit code 1."""
+    from fastkda.backends import registry
 
-    def failing(fn, device, repeats):
-        raise RuntimeError("out of memory")
+    class Broken(registry.Backend):
+        name, priority, ops = "broken-test", -1, ("chunk_kda", "fused_recurrent_kda")
 
-    monkeypatch.delenv("FASTKDA_BACKEND", raising=False)
-    monkeypatch.setattr(bench, "_time_ms", failing)
-    assert main(["bench", *TINY, "--ops", "recurrent", "--out", str(tmp_path)]) == 1
+        def verify(self, op, opts, inputs):
+            return True, "always"
+
+        def fused_recurrent_kda(self, opts, inputs):
+            raise RuntimeError("out of memory")
+
+    registry.register(Broken())
+    try:
+        monkeypatch.delenv("FASTKDA_BACKEND", raising=False)
+        assert main(["bench", *TINY, "--ops", "recurrent", "--backend", "broken-test", "--out", str(tmp_path)]) == 1
+    finally:
+        registry.unregister("broken-test")
     err = capsys.readouterr().err
-    assert "fastkda bench: error: fastkda (torch) recurrent T=32: RuntimeError: out of memory" in err
+    assert "fastkda bench: error: fastkda (broken-test) recurrent T=32: RuntimeError: out of memory" in err
     assert not (tmp_path / "bench.md").exists()
 
 

@@ -23,10 +23,6 @@ def _free_port():
 def _worker(rank, world, port, lens, seed, backend_name, grads, errfile, fused_max, subgroups, dtype):
     try:
         torch.set_num_threads(1)
-        if fused_max is not None:  # the identity run as a call of its own instead of extra value columns
-            from fastkda.distributed import cp
-
-            cp.FUSED_MAX_COLUMNS = fused_max
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))  # a mismatch fails instead of hanging
         # `subgroups` context-parallel groups of consecutive ranks (as in a data x context parallel
@@ -56,7 +52,9 @@ def _worker(rank, world, port, lens, seed, backend_name, grads, errfile, fused_m
             scales = gate_param_scales(x, full[names.index("g")])
         # compiled Triton kernels want CUDA tensors (every rank on the one GPU; gloo moves CUDA tensors too)
         dev = "cuda" if backend_name == "triton" and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-        ctx = CPContext(group=group, cu_seqlens=cu.to(dev))
+        # fused_max: the identity run as a call of its own instead of extra value columns
+        ctx = CPContext(group=group, cu_seqlens=cu.to(dev),
+                        **({} if fused_max is None else dict(fused_max_columns=fused_max)))
         assert ctx.world_size == size
         lo, hi = ctx.lo, ctx.hi
         shard = {n: (t.detach()[:, lo:hi].to(dev).requires_grad_(grads) if n in ("q", "k", "v", "g", "beta")

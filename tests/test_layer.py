@@ -180,7 +180,7 @@ def _stand_in_causal_conv1d(calls):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_short_convolution_through_causal_conv1d(bias, rng, monkeypatch):
+def test_short_convolution_through_causal_conv1d(bias, rng):
     """With the package "installed" (a stand-in) the convolution takes its kernel where it applies
     and gives the PyTorch path's outputs, caches and gradients; a varlen batch with a cache, a
     hidden size that does not divide by 8 and float64 stay on the PyTorch path."""
@@ -205,15 +205,14 @@ def test_short_convolution_through_causal_conv1d(bias, rng, monkeypatch):
         grad = name not in ("decode step", "float64")
         xi = xi.clone().requires_grad_(grad)
         conv.to(xi.dtype)
-        monkeypatch.setattr(kda_layer, "EXTERNAL_CONV_DEVICES", ())
+        conv.kernel_devices = ()
         with torch.set_grad_enabled(grad):
             y_ref, c_ref = conv(xi, **kw)
-        monkeypatch.setattr(kda_layer, "EXTERNAL_CONV_DEVICES", (torch.device(DEVICE).type,))
-        monkeypatch.setattr(kda_layer, "CAUSAL_CONV1D", _stand_in_causal_conv1d(calls))
+        conv.kernel_fn, conv.kernel_devices = _stand_in_causal_conv1d(calls), (torch.device(DEVICE).type,)
         calls.clear()
         with torch.set_grad_enabled(grad):
             y, c = conv(xi, **kw)
-        monkeypatch.setattr(kda_layer, "CAUSAL_CONV1D", None)
+        conv.kernel_fn = None
         assert calls == ([route] if route else []), name
         check(f"{name}: y", y, y_ref, 1e-6)
         assert (c is None) == (c_ref is None), name
@@ -229,14 +228,14 @@ def test_short_convolution_through_causal_conv1d(bias, rng, monkeypatch):
     assert torch.equal(cases["decode step"][1]["cache"], cache)  # the decode step left the caller's cache as it was
     odd = ShortConvolution(12, 4).to(DEVICE)  # 12 channels: not for the package's kernel
     calls.clear()
-    monkeypatch.setattr(kda_layer, "CAUSAL_CONV1D", _stand_in_causal_conv1d(calls))
+    odd.kernel_fn, odd.kernel_devices = _stand_in_causal_conv1d(calls), (torch.device(DEVICE).type,)
     odd(torch.randn(1, 5, 12, generator=rng).to(DEVICE))
     assert calls == []
 
 
 @pytest.mark.skipif(not GPU, reason="GPU tier")
 @pytest.mark.gpu
-def test_causal_conv1d_package_matches_torch(rng, monkeypatch):
+def test_causal_conv1d_package_matches_torch(rng):
     """Where the causal-conv1d package is installed: its kernels against the PyTorch path, bf16."""
     pytest.importorskip("causal_conv1d")
     assert kda_layer.CAUSAL_CONV1D is not None
@@ -245,7 +244,7 @@ def test_causal_conv1d_package_matches_torch(rng, monkeypatch):
     cache = torch.randn(2, 256, 3, generator=rng).to(DEVICE, torch.bfloat16)
     y, c = conv(x, cache=cache, output_final_state=True)
     y1, c1 = conv(x[:, :1], cache=cache, output_final_state=True)
-    monkeypatch.setattr(kda_layer, "EXTERNAL_CONV_DEVICES", ())
+    conv.kernel_devices = ()
     y_ref, c_ref = conv(x, cache=cache, output_final_state=True)
     y1_ref, c1_ref = conv(x[:, :1], cache=cache, output_final_state=True)
     check("y", y.float(), y_ref.float(), 1e-2)

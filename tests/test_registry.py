@@ -35,7 +35,7 @@ class _Picky(Backend):
 def picky():
     b = register(_Picky())
     yield b
-    registry._BACKENDS.pop(b.name)
+    registry.unregister(b.name)
 
 
 def _call(K, **kw):

@@ -1,6 +1,7 @@
 """The import structure of src/fastkda, read from the source (the AST of every module, imports at
 module level and inside functions alike): no import circles, and library code does not import the
-test helpers of fastkda.testing."""
+test helpers of fastkda.testing; and no test, tool or benchmark assigns a module-level variable of
+fastkda (monkeypatching included): overrides go through the library's own per-call means.""" 
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ TESTING = "fastkda.testing"
 # Modules that import fastkda.testing by design: the `fastkda check` command compares the operators
 # against its float64 reference.
 TEST_HARNESSES = {"fastkda.cli"}
-
 
 
 def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
@@ -181,3 +181,55 @@ def test_the_package_does_not_reach_testing():
         seen.add(m)
         todo.extend(graph[m])
     assert TESTING not in seen
+
+
+REPO = PACKAGE.parent.parent
+SCRIPTS = sorted(p for d in ("tests", "tools", "benchmarks") for p in (REPO / d).glob("*.py")) if (REPO / "tests").is_dir() else []
+
+
+def _module_aliases(tree: ast.AST) -> set[str]:
+    """Names bound to fastkda modules in a script: ``import fastkda.x as n``, ``from fastkda.x import
+    module``, ``from fastkda import module``."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "fastkda":
+                    names.add(a.asname or "fastkda")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fastkda":
+            for a in node.names:
+                if f"{node.module}.{a.name}" in MODULES:
+                    names.add(a.asname or a.name)
+    return names
+
+
+def _module_assignments(path: pathlib.Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    mods = _module_aliases(tree)
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for t in targets:
+            for e in ast.walk(t):
+                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id in mods:
+                    found.append(f"{path.name}:{node.lineno}: {e.value.id}.{e.attr} = ...")
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in ("setattr", "delattr", "setitem") and node.args:
+                a0 = node.args[0]
+                if (isinstance(a0, ast.Name) and a0.id in mods) or (
+                        isinstance(a0, ast.Constant) and isinstance(a0.value, str) and a0.value.startswith("fastkda.")):
+                    found.append(f"{path.name}:{node.lineno}: {name}({ast.unparse(a0)}, ...)")
+    return found
+
+
+@pytest.mark.skipif(not SCRIPTS, reason="the repository's tests, tools and benchmarks are not beside the package")
+def test_no_module_variable_assigned_from_outside():
+    """Tests, tools and benchmarks change no module-level variable of fastkda (no monkeypatching of
+    its modules): the Triton backend's tuning goes through plan.tuned, recorded launches through
+    common.recorded_launches, caches through their own clear functions."""
+    found = [f for p in SCRIPTS for f in _module_assignments(p)]
+    assert not found, "\n".join(found)

@@ -85,6 +85,11 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
+def unregister(name: str) -> Backend:
+    """Remove the backend ``name`` (a KeyError if none is registered) and return it."""
+    return _BACKENDS.pop(name)
+
+
 def backends() -> list[Backend]:
     """Registered backends, highest priority first."""
     return sorted(_BACKENDS.values(), key=lambda b: -b.priority)

@@ -30,7 +30,6 @@ from ..dtypes import state_dtype
 
 __all__ = ["CPContext"]
 
-FUSED_MAX_COLUMNS = platform.TRITON_MAX_DIM  # V + K up to this: the identity run shares the call
 
 
 @dataclass
@@ -42,6 +41,9 @@ class CPContext:
         cu_seqlens: ``[N+1]`` boundaries of the global flattened batch (any device; read once).
         rank, world_size: taken from ``group`` when not given.
 
+    ``fused_max_columns``: up to this V + K, the identity run (the first segment's state transition)
+    rides in the same call as K extra value columns; beyond it, a call of its own.
+
     The global length must divide evenly by the world size. ``chunk_kda(q_local, ...,
     cp_context=ctx)`` takes this rank's shard ``[1, T_local, ...]``.
     """
@@ -50,10 +52,14 @@ class CPContext:
     cu_seqlens: torch.Tensor | None = None
     rank: int | None = None
     world_size: int | None = None
+    fused_max_columns: int = platform.TRITON_MAX_DIM
     bytes_sent: int = field(default=0, init=False)  # forward exchange volume of this rank, all calls
     bytes_received: int = field(default=0, init=False)
 
     def __post_init__(self):
+        f = self.fused_max_columns
+        if isinstance(f, bool) or not isinstance(f, int) or f < 0:
+            raise ValueError(f"`fused_max_columns` must be an int >= 0, got {f!r}")
         if self.cu_seqlens is None:
             raise ValueError("`cu_seqlens` (the global sequence boundaries) is required for a CPContext")
         for name in ("rank", "world_size"):
@@ -142,7 +148,7 @@ def chunk_kda_cp(run, q, k, v, g, beta, kw: dict, ctx: CPContext):
     A_first = Q_eff = None
     sdt = state_dtype(q.dtype)
     eye = torch.eye(K, device=dev, dtype=sdt)
-    if carried_in and V + K <= FUSED_MAX_COLUMNS and 2 * L0 >= ctx.T_local:
+    if carried_in and V + K <= ctx.fused_max_columns and 2 * L0 >= ctx.T_local:
         # the first segment from S_in = I with v = 0 (final state A, outputs A_{1..t}^T scale q_t) as
         # K extra value columns of the same call: state columns evolve independently, so stage 1
         # (gates, Akk, the inverse, w) is shared and only u, the scan and the output grow to V + K

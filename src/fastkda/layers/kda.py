@@ -88,6 +88,9 @@ class ShortConvolution(nn.Module):
         if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1:
             raise ValueError(f"`kernel_size` must be a positive int, got {kernel_size!r}")
         self.hidden_size, self.kernel_size, self.activation = hidden_size, kernel_size, activation
+        # the causal-conv1d package's kernel (None: not installed) and the device types it runs on;
+        # per instance, so that a caller (or a test) can route one module elsewhere
+        self.kernel_fn, self.kernel_devices = CAUSAL_CONV1D, EXTERNAL_CONV_DEVICES
         self.weight = nn.Parameter(torch.empty(hidden_size, 1, kernel_size))
         self.bias = nn.Parameter(torch.empty(hidden_size)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
@@ -156,7 +159,8 @@ class ShortConvolution(nn.Module):
     def _external(self, x, cache, output_final_state, cu_seqlens, cu_seqlens_cpu=None):
         """The causal-conv1d kernel's ``(y, new_cache)`` where it applies, else None."""
         B, T, D = x.shape
-        if (CAUSAL_CONV1D is None or x.device.type not in EXTERNAL_CONV_DEVICES or not 2 <= self.kernel_size <= 4
+        fn = self.kernel_fn
+        if (fn is None or x.device.type not in self.kernel_devices or not 2 <= self.kernel_size <= 4
                 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or D % 8
                 or (cu_seqlens is not None and cache is not None) or torch.compiler.is_compiling()):
             return None
@@ -165,7 +169,7 @@ class ShortConvolution(nn.Module):
         xt = x.contiguous().transpose(1, 2)  # [B, D, T], channels contiguous ("channel last")
         if cu_seqlens is not None:
             seq_idx = _seq_index(T, cu_seqlens, x.device).to(torch.int32)[None]
-            y = CAUSAL_CONV1D(xt, w, bias, seq_idx=seq_idx, activation=self.activation).transpose(1, 2)
+            y = fn(xt, w, bias, seq_idx=seq_idx, activation=self.activation).transpose(1, 2)
             final = None
             if output_final_state:
                 final = self._final_cache(x, x.new_zeros(cu_seqlens.numel() - 1, D, self.kernel_size - 1), cu_seqlens,
@@ -173,10 +177,9 @@ class ShortConvolution(nn.Module):
             return y, final
         init = None if cache is None else cache.to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         if output_final_state:
-            y, final = CAUSAL_CONV1D(xt, w, bias, initial_states=init, return_final_states=True,
-                                     activation=self.activation)
+            y, final = fn(xt, w, bias, initial_states=init, return_final_states=True, activation=self.activation)
             return y.transpose(1, 2), final.to(cache.dtype if cache is not None else x.dtype)
-        return CAUSAL_CONV1D(xt, w, bias, initial_states=init, activation=self.activation).transpose(1, 2), None
+        return fn(xt, w, bias, initial_states=init, activation=self.activation).transpose(1, 2), None
 
     def _final_cache(self, x, cache, cu_seqlens, cu_seqlens_cpu=None):
         """The last ``cache.shape[-1]`` inputs of every sequence, the cache's before its first token."""
