@@ -1,12 +1,16 @@
 """One test per validation rule: a ValueError/TypeError naming the argument and the value,
 raised before any work (state pools untouched)."""
 
+import os
+import warnings
+
 import numpy as np
 import pytest
 import torch
 from conftest import BACKENDS, DEVICE, GPU
 from helpers import check, grow, tol_for
 
+import fastkda
 from fastkda import chunk_kda, fused_kda_gate, fused_recurrent_kda, kda_gate_chunk_cumsum, use_backend
 from fastkda.testing import Case, make_inputs, reference
 
@@ -312,3 +316,58 @@ def test_meta_tensors_propagate_shapes(varlen):
     assert [d.shape for d in grads] == [t.shape for t in leaves] and all(d.device.type == "meta" for d in grads)
     with pytest.raises(ValueError, match=r"`g` must have shape"):
         chunk_kda(**{**x, "g": x["g"][..., :-1]})
+
+
+def test_shared_keywords_between_operators(rng):
+    """An options dict shared by chunk_kda and fused_recurrent_kda, with fla's `head_first=False`, works
+    with both (as with fla-core, whose operators take any keyword): the other operator's keywords
+    that mean nothing here are ignored, and the results are those of the call without them."""
+    x = make_inputs(Case(T=20, K=16, V=16, gate="softplus"), generator=rng)
+    shared = dict(safe_gate=False, head_first=False, chunk_size=64, disable_recompute=False, cu_seqlens_cpu=None,
+                  use_graph=False, max_num_seqs=None, inplace_final_state=False, raise_on_bad_index=False,
+                  ssm_state_indices=None, num_accepted_tokens=None)
+    own = {"chunk_kda": {"inplace_final_state", "raise_on_bad_index", "ssm_state_indices", "num_accepted_tokens"},
+           "fused_recurrent_kda": {"safe_gate", "chunk_size", "disable_recompute", "cu_seqlens_cpu", "use_graph",
+                                   "max_num_seqs"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning for any of them
+        for fn, other in ((chunk_kda, "fused_recurrent_kda"), (fused_recurrent_kda, "chunk_kda")):
+            kw = {n: v for n, v in shared.items() if n in own[other] or n == "head_first"}
+            got = fn(**x, **kw)[0]
+            want = fn(**x)[0]
+            assert torch.equal(got, want), fn.__name__
+            assert fastkda.explain(fn, **x, **kw)[0] == fastkda.explain(fn, **x)[0]
+
+
+@pytest.mark.parametrize("fn,kw,match", [
+    ("chunk_kda", dict(head_first=True), "head_first=True"),
+    ("fused_recurrent_kda", dict(head_first=True), "head_first=True"),
+    ("chunk_kda", dict(ssm_state_indices=torch.tensor([0])), "ssm_state_indices"),
+    ("chunk_kda", dict(num_accepted_tokens=torch.tensor([1])), "num_accepted_tokens"),
+    ("chunk_kda", dict(inplace_final_state=True), "inplace_final_state"),
+    ("fused_recurrent_kda", dict(cp_context=object()), "cp_context"),
+    ("fused_recurrent_kda", dict(return_intermediate_states=True), "return_intermediate_states"),
+])
+def test_foreign_keywords_that_would_change_the_result(fn, kw, match):
+    """A keyword of the other operator (or fla's head_first=True) whose value would change the result
+    here is a ValueError naming it, before anything runs."""
+    x = make_inputs(Case(T=8, K=16, V=16))
+    with pytest.raises(ValueError, match=match):
+        getattr(fastkda, fn)(**x, **kw)
+    with pytest.raises(ValueError, match=match):
+        fastkda.explain(getattr(fastkda, fn), **x, **kw)
+
+
+def test_unknown_keyword_warns_once():
+    """Any other keyword is ignored with a warning naming it, once per operator and name."""
+    x = make_inputs(Case(T=8, K=16, V=16))
+    name = f"not_an_option_{os.getpid()}_{id(x)}"  # a name no earlier call used
+    want = chunk_kda(**x)[0]
+    with pytest.warns(UserWarning, match=f"chunk_kda: ignoring unknown keyword arguments \\['{name}'\\]"):
+        got = chunk_kda(**x, **{name: 1})[0]
+    assert torch.equal(got, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chunk_kda(**x, **{name: 2})  # the second time: silent
+    with pytest.warns(UserWarning, match="fused_recurrent_kda: ignoring"):
+        fused_recurrent_kda(**x, **{name: 1})

@@ -9,7 +9,7 @@ from . import platform
 from .backends import registry
 from .backends.registry import explain
 from . import library  # noqa: F401  (registers the torch.library custom ops)
-from .options import autocast_qkv, check_writable, chunk_options, recurrent_options, state_layout
+from .options import autocast_qkv, check_writable, chunk_options, foreign_keywords, recurrent_options, state_layout
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "explain"]
 
@@ -41,6 +41,7 @@ def chunk_kda(
     dt_bias: torch.Tensor | None = None,
     chunk_size: int = 64,
     transpose_state_layout: bool | None = None,
+    **kwargs,
 ):
     """Chunked Kimi Delta Attention, forward and backward (training and prefill).
 
@@ -83,12 +84,19 @@ def chunk_kda(
         max_num_seqs: with ``use_graph``, the number of (padded) sequences ``cu_seqlens`` must hold.
         A_log: ``[HV]`` (unit dimensions allowed); dt_bias: ``[HV*K]`` or ``[HV, K]``; chunk_size: 32 or 64.
         transpose_state_layout: the former name of ``state_v_first`` (deprecated: a warning).
+        kwargs: as fla-core's, other keywords are accepted: :func:`fused_recurrent_kda`'s (an options
+            dict shared by both) and ``head_first=False`` are ignored, a value of theirs that would
+            change the result (``ssm_state_indices``, ``inplace_final_state=True``,
+            ``head_first=True``) is a ``ValueError``, any other keyword is ignored with a warning
+            (once per name).
 
     Returns:
         ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states``.
         ``o`` has the dtype of ``v``; ``final_state`` is None unless asked for. On meta tensors:
         outputs of the right shapes, nothing computed (not with ``return_intermediate_states``).
     """
+    if kwargs:
+        foreign_keywords("chunk_kda", kwargs)
     state_v_first = state_layout(state_v_first, transpose_state_layout)
     q, k, v, ctx = autocast_qkv(q, k, v)
     compiling = torch.compiler.is_compiling()
@@ -155,6 +163,7 @@ def fused_recurrent_kda(
     inplace_final_state: bool = False,
     raise_on_bad_index: bool = False,
     transpose_state_layout: bool | None = None,
+    **kwargs,
 ):
     """Token-by-token Kimi Delta Attention for decoding, with serving-engine state pools.
 
@@ -183,11 +192,16 @@ def fused_recurrent_kda(
             reports through :func:`decode_error`). The PyTorch backend checks on the host and
             raises either way.
         transpose_state_layout: the former name of ``state_v_first`` (deprecated: a warning).
+        kwargs: as :func:`chunk_kda`'s: its own keywords (``safe_gate``, ``chunk_size``, ...) and
+            ``head_first=False`` are ignored (``cp_context`` and ``return_intermediate_states=True``
+            are a ``ValueError``), any other keyword is ignored with a warning (once per name).
 
     Returns:
         ``(o, final_state)``; ``final_state`` is ``[N, HV, K, V]`` float32 with
         ``output_final_state``, the updated pool with ``inplace_final_state``, else None.
     """
+    if kwargs:
+        foreign_keywords("fused_recurrent_kda", kwargs)
     state_v_first = state_layout(state_v_first, transpose_state_layout)
     q, k, v, ctx = autocast_qkv(q, k, v)
     compiling = torch.compiler.is_compiling()

@@ -12,6 +12,7 @@ import contextlib
 import enum
 import math
 import numbers
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -283,6 +284,44 @@ def _state(name: str, h: torch.Tensor, lead: int | None, shape: KDAShape, state_
     if h.dtype not in allowed:
         raise ValueError(f"`{name}` must be float32 (states are kept in float32), got {h.dtype}")
     _same_device(q, **{name: h})
+
+
+# fla.ops.kda's operators take and ignore any keyword; fastkda's take the other operator's keywords
+# (an options dict shared by chunk_kda and fused_recurrent_kda) and fla's `head_first=False`, ignored
+# where they mean nothing, refused where ignoring them would give wrong numbers, and warn once for any
+# other keyword. name -> the values that mean nothing for the operator (None: any value).
+_FOREIGN_KEYWORDS = {
+    "chunk_kda": {"ssm_state_indices": (None,), "num_accepted_tokens": (None,), "inplace_final_state": (False,),
+                  "raise_on_bad_index": None, "head_first": (False,)},
+    "fused_recurrent_kda": {"safe_gate": None, "disable_recompute": None, "return_intermediate_states": (False,),
+                            "cu_seqlens_cpu": None, "cp_context": (None,), "use_graph": None, "max_num_seqs": None,
+                            "chunk_size": None, "head_first": (False,)},
+}
+_WARNED_KEYWORDS: set = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def foreign_keywords(op: str, kwargs: dict) -> None:
+    """Check the keywords of a call to ``op`` beyond its own parameters: the other operator's and
+    fla's known ones pass where they mean nothing (a ``ValueError`` names one that would change the
+    result), unknown ones are ignored with a warning, once per operator and name."""
+    known = _FOREIGN_KEYWORDS[op]
+    unknown = []
+    for name, value in kwargs.items():
+        if name not in known:
+            unknown.append(name)
+            continue
+        neutral = known[name]
+        if neutral is not None and not any(value is n or (type(value) is type(n) and value == n) for n in neutral):
+            if name == "head_first":
+                raise ValueError("`head_first=True` (the [B, H, T, K] layout) is not supported: pass [B, T, H, K] "
+                                 f"tensors, got head_first={value!r}")
+            raise ValueError(f"`{name}` is an argument of the other operator, not of {op}: got {name}={_fmt(value)}")
+    with _WARNED_LOCK:
+        new = [n for n in unknown if (op, n) not in _WARNED_KEYWORDS]
+        _WARNED_KEYWORDS.update((op, n) for n in new)
+    if new:
+        warnings.warn(f"fastkda.{op}: ignoring unknown keyword arguments {sorted(new)}", stacklevel=3)
 
 
 def state_layout(state_v_first, transpose_state_layout):

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..options import autocast_qkv, chunk_options, recurrent_options, state_layout
+from ..options import autocast_qkv, chunk_options, foreign_keywords, recurrent_options, state_layout
 
 log = logging.getLogger("fastkda.backends")
 
@@ -196,6 +196,9 @@ def explain(fn, *args, **kwargs) -> Explanation:
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
     call = dict(bound.arguments)
+    extra = call.pop("kwargs", None)
+    if extra:
+        foreign_keywords(op, extra)
     call["state_v_first"] = state_layout(call["state_v_first"], call.pop("transpose_state_layout"))
     tensors = [call.pop(n) for n in ("q", "k", "v", "g", "beta")]
     q, k, v, _ = autocast_qkv(*tensors[:3])
