@@ -66,7 +66,8 @@ class TritonBackend(Backend):
             return plan_of(opts, inputs, train=needs_grad(inputs)).describe()
         if op == "fused_recurrent_kda":
             p = decode_plan(opts.shape.K, current_tuning())
-            return (f"decode plan: {p.BV} value cols per program ({p.launch.warps} warps)"
+            return (f"decode plan: {p.BV} value columns per program ({p.launch.warps} warp"
+                    f"{'' if p.launch.warps == 1 else 's'})"
                     + (", slot check" if opts.pool and p.slot_check else ""))
         return None
 

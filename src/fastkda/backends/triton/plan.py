@@ -305,18 +305,18 @@ class ChunkPlan:
         lines.append(f"  stage 1: {path} path" + (", exact gate sums" if s.exact_sums else "")
                      + (f", {len(s.passes)} passes" if s.split else "") + f"; X {_name(s.x_dtype)}"
                      + (" + bfloat16 copy" if s.x_copy else "") + f"; intra {s.intra_prec}, w/u {s.wu_prec}")
-        lines.append(f"    gates {s.gates_bs} cols {_fmt(s.gates)}; intra {s.intra_bs} cols {_fmt(s.intra)}; "
-                     f"inverse {_fmt(s.inverse)}; w/u {s.wu_bs} cols {_fmt(s.wu)}")
+        lines.append(f"    gates {s.gates_bs} columns {_fmt(s.gates)}; intra {s.intra_bs} columns {_fmt(s.intra)}; "
+                     f"inverse {_fmt(s.inverse)}; w/u {s.wu_bs} columns {_fmt(s.wu)}")
         for name, sc in (("scan", self.forward), ("recompute scan", self.recompute)):
             if sc is not None:
-                lines.append(f"  {name}: {sc.BV} value cols {_fmt(sc.launch)}" + ("; forms u" if sc.form_u else "")
+                lines.append(f"  {name}: {sc.BV} value columns {_fmt(sc.launch)}" + ("; forms u" if sc.form_u else "")
                              + ("; keeps h, v'" if sc.keep else "")
-                             + (f"; o from the output kernel ({sc.output_bv} cols)" if sc.split_output else ""))
+                             + (f"; o from the output kernel ({sc.output_bv} columns)" if sc.split_output else ""))
         b = self.backward
         if b is not None:
-            lines.append(f"  backward scan: {b.scan_bv} value cols {_fmt(b.scan)}")
-            gates = (f"whole-chunk gate gradients ({b.pair_prec} pairs, {b.gate_block_bs} cols {_fmt(b.gate_block)}; "
-                     f"dg {b.dg_bs} cols {_fmt(b.dg)})" if b.whole else
+            lines.append(f"  backward scan: {b.scan_bv} value columns {_fmt(b.scan)}")
+            gates = (f"whole-chunk gate gradients ({b.pair_prec} pairs, {b.gate_block_bs} columns {_fmt(b.gate_block)}; "
+                     f"dg {b.dg_bs} columns {_fmt(b.dg)})" if b.whole else
                      f"block gate gradients ({'exact' if b.exact_pairs else 'row/column'} pair sums, "
                      f"diagonal {b.diag_prec}, {_fmt(b.gate)})")
             lines.append(f"  backward chunk: dv {_fmt(b.v)}, dk {_fmt(b.k)}; {gates}")
@@ -327,10 +327,14 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _n(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
 def _fmt(launch: Launch) -> str:
-    stages = f", {launch.stages} stages" if launch.stages is not None else ""
-    cap = f", <= {launch.maxnreg} regs" if launch.maxnreg else ""
-    return f"({launch.warps} warps{stages}{cap})"
+    stages = f", {_n(launch.stages, 'stage')}" if launch.stages is not None else ""
+    cap = f", <= {launch.maxnreg} registers" if launch.maxnreg else ""
+    return f"({_n(launch.warps, 'warp')}{stages}{cap})"
 
 
 def whole_gates(opts: KDAOptions, tuning: Tuning) -> bool:
