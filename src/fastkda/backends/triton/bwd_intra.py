@@ -50,7 +50,8 @@ def _dg_out(g, A_log, dt_bias, dg, b_dgr, lower_bound, bos, t0, T_seq, i_hv, HV:
 def _row_gates(gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, row, o_d, EXACT_SUMS: tl.constexpr):
     """(G, its rounding error; 0 without EXACT_SUMS) at chunk row ``row``, each [1, BS]."""
     o_n = row + tl.zeros([1], tl.int32)
-    return (cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_n, o_d), cum_gates_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_n, o_d, EXACT_SUMS))
+    return (cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_n, o_d),
+            cum_gates_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_n, o_d, EXACT_SUMS))
 
 
 @triton.jit
@@ -261,7 +262,8 @@ def kda_bwd_gate_kernel(
         b_y = b_k * (load_tile(s_dkd, bos, tr, T_seq, i_hv, HV, K, o_i, o_d) * b_eD)
         tl.store(s_yb + r * K + o_d, tl.sum(b_y, 0), mask=m_d)
     tl.debug_barrier()
-    b_carry = tl.exp2(block_sums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, NC)) * tl.load(s_dgam + o_d, mask=m_d, other=0.0)
+    b_carry = tl.exp2(block_sums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, NC)) \
+        * tl.load(s_dgam + o_d, mask=m_d, other=0.0)
     b_dbias = tl.zeros([BS], tl.float32)
     for rr in range(NC):
         r = NC - 1 - rr  # last block first: dg is a reverse cumulative sum
@@ -292,8 +294,8 @@ def kda_bwd_gate_kernel(
             b_gn = load_tile(ga, bos, tr + 1, T_seq, i_hv, HV, K, o_i, o_d)  # the next token's gates
             for lvl in tl.static_range(4):
                 m, b_r, b_f = split_level(b_g, b_gn, o_i, 8 >> lvl)
-                b_dq, b_dkr, b_dkc = _diag_products(b_dq, b_dkr, b_dkc, tl.where(m, b_dAd, 0.0), tl.where(m, b_dKd, 0.0),
-                                                    b_q, b_k, b_r, b_f, DIAG_PREC)
+                b_dq, b_dkr, b_dkc = _diag_products(b_dq, b_dkr, b_dkc, tl.where(m, b_dAd, 0.0),
+                                                    tl.where(m, b_dKd, 0.0), b_q, b_k, b_r, b_f, DIAG_PREC)
         if EXACT:
             for j in range(15):  # column j: the pair terms of rows i > j, token-parallel
                 if SAFE:
@@ -302,7 +304,8 @@ def kda_bwd_gate_kernel(
                     b_e = tl.exp2(tl.where(o_i[:, None] > j, tl.cumsum(tl.where(o_i[:, None] > j, b_g, 0.0), 0),
                                            float("-inf")))  # [16, BS]: e^(G_i - G_j), rows i > j
                 b_kj = row_of(b_k, o_i, j)
-                b_T = (_col_of(b_dAd, o_i, j)[:, None] * b_q + _col_of(b_dKd, o_i, j)[:, None] * b_k) * b_kj[None, :] * b_e
+                b_T = (_col_of(b_dAd, o_i, j)[:, None] * b_q + _col_of(b_dKd, o_i, j)[:, None] * b_k) \
+                    * b_kj[None, :] * b_e
                 b_dgx += tl.where(o_i[:, None] > j, tl.cumsum(b_T, 0, reverse=True), 0.0)
         if not EXACT:
             # the same sum as row sums minus column sums of the block's pair terms, reverse-summed
@@ -316,7 +319,8 @@ def kda_bwd_gate_kernel(
         for j in range(r):
             b_colf = tl.exp2(gates_after(ga, bos, t0 + 16 * j, T_seq, i_hv, HV, K, o_i, o_d)
                              + block_sums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, j + 1, r)[None, :])
-            b_kj = load_tile(k, bos, t0 + 16 * j, T_seq, i_h, H, K, o_i, o_d) * tl.load(rs + C + 16 * j + o_i)[:, None] * b_colf
+            b_kj = load_tile(k, bos, t0 + 16 * j, T_seq, i_h, H, K, o_i, o_d) \
+                * tl.load(rs + C + 16 * j + o_i)[:, None] * b_colf
             b_pq = b_eR * prod(load_block(s_dA, 16 * r, 16 * j, C, o_i), b_kj, PREC)
             b_pk = b_eR * prod(load_block(s_dL, 16 * r, 16 * j, C, o_i), b_kj, PREC)
             b_dq += b_pq

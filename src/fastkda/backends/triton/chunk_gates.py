@@ -40,7 +40,8 @@ def _block_gates(g, A_log, dt_bias, gc, ga, lower_bound, bos, t0, T_seq, i_hv, o
     cumulative sum (gc)."""
     for s in range(0, BK, BS):
         o_d = s + tl.arange(0, BS)
-        b_g = _activated_gates(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_i, o_d, GATE, HAS_A, HAS_BIAS, 0)
+        b_g = _activated_gates(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_i, o_d, GATE, HAS_A,
+                               HAS_BIAS, 0)
         store_tile(ga, b_g, bos, t0, T_seq, i_hv, HV, K, o_i, o_d)
         store_tile(gc, tl.cumsum(b_g, 0), bos, t0, T_seq, i_hv, HV, K, o_i, o_d)
 
@@ -123,8 +124,9 @@ def kda_fwd_gates_kernel(
             for s in range(0, BK, BS):
                 o_d = s + tl.arange(0, BS)
                 b_g8 = cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_b + 8, o_d)  # [C // 16, BS]
-                b_half = tl.maximum(b_half, tl.maximum(cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_b, o_d) - b_g8,
-                                                       b_g8 - cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_b + 15, o_d)))
+                b_up = cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_b, o_d) - b_g8
+                b_dn = b_g8 - cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_b + 15, o_d)
+                b_half = tl.maximum(b_half, tl.maximum(b_up, b_dn))
                 b_last = tl.minimum(b_last, cum_gates_last(gc, bos, t0, T_seq, i_hv, HV, K, C, o_d))
             # bit 0: the middle anchor; bit 1: sums beyond LO_SPAN, whose rounding errors count
             f = (tl.max(b_half) <= DIAG_SPAN).to(tl.int32) + 2 * (tl.min(b_last) < -LO_SPAN).to(tl.int32)
@@ -133,8 +135,9 @@ def kda_fwd_gates_kernel(
                 if f != 1:  # exact sums over the plain ones (which set f well within its bounds' margins)
                     for s in range(0, BK, BS):
                         o_d = s + tl.arange(0, BS)
-                        b_G, b_E = exact_cumsum(_activated_gates(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV,
-                                                            K, o_c, o_d, GATE, HAS_A, HAS_BIAS, FAST))
+                        b_g = _activated_gates(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d,
+                                               GATE, HAS_A, HAS_BIAS, FAST)
+                        b_G, b_E = exact_cumsum(b_g)
                         store_tile(gc, b_G, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
                         store_tile(gd, b_E, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
     else:

@@ -243,7 +243,8 @@ def contiguous_inputs(x, keep: tuple[str, ...] = ()):
 def gate_code(gate) -> int:
     from ...options import GateMode
 
-    return {GateMode.PREGATED: GATE_PREGATED, GateMode.SOFTPLUS: GATE_SOFTPLUS, GateMode.LOWER_BOUND: GATE_LOWER_BOUND}[gate]
+    codes = {GateMode.PREGATED: GATE_PREGATED, GateMode.SOFTPLUS: GATE_SOFTPLUS, GateMode.LOWER_BOUND: GATE_LOWER_BOUND}
+    return codes[gate]
 
 
 def gate_launch(opts, A_log, dt_bias) -> dict:

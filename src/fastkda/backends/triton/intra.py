@@ -24,7 +24,8 @@ def _row_norms(rs, which: tl.constexpr, row, C: tl.constexpr, o_i):
 
 
 @triton.jit
-def _diag_blocks(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+def _diag_blocks(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, C: tl.constexpr, H: tl.constexpr,
+                 HV: tl.constexpr,
           K: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
     """Block R of the chunk: its diagonal Aqk (j <= i) and Akk (j < i) blocks, unscaled."""
     tr = t0 + 16 * R
@@ -84,7 +85,8 @@ def _block_pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, J, C: tl.co
 
 
 @triton.jit
-def _middle_anchor(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, EXACT_SUMS: tl.constexpr):
+def _middle_anchor(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d,
+                   EXACT_SUMS: tl.constexpr):
     """The middle anchor's factors e^(G - G_m) and e^(G_m - G) [C, BS], m the middle token (8) of each
     row's 16-token block: up to 8 gates (|exponent| <= 58 for bounded gates; for others at most the
     span that chunk_form's gok bit 0 admits, chunk_gates.DIAG_SPAN). EXACT_SUMS: exact sums, as _anchored's. The
@@ -113,9 +115,11 @@ def _chained_level(b_r16, b_c16, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr,
     o_b = 16 * tl.arange(0, C // 16)  # the blocks' first rows
     o_m = o_b + 8
     o_a = (o_b // S) * S + S // 2 - 1
-    b_e = cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_m, o_d) - cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_a, o_d)  # [C // 16, BS]
+    # [C // 16, BS]
+    b_e = cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_m, o_d) - cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_a, o_d)
     if EXACT_SUMS:
-        b_e += cum_gates_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_m, o_d, EXACT_SUMS) - cum_gates_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_a, o_d, EXACT_SUMS)
+        b_e += cum_gates_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_m, o_d, EXACT_SUMS) \
+            - cum_gates_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_a, o_d, EXACT_SUMS)
     b_t = per_block(tl.exp2(-tl.abs(b_e)), C)
     return half_pairs(o_c[:, None], o_c[None, :], S), b_r16 * b_t, b_c16 * b_t
 
@@ -157,7 +161,8 @@ def kda_fwd_intra_kernel(
 def kda_fwd_intra_chunk_kernel(
     q, k, gc, gd, gok, rs, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HEADS_FIRST: tl.constexpr, PREC: tl.constexpr, EXACT_SUMS: tl.constexpr, SELECT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HEADS_FIRST: tl.constexpr, PREC: tl.constexpr, EXACT_SUMS: tl.constexpr,
+    SELECT: tl.constexpr,
     L2NORM: tl.constexpr,
 ):
     """Two programs per chunk: Aqk (times scale; part 0) or Akk (to the scratch ls; part 1) of the
@@ -196,11 +201,13 @@ def kda_fwd_intra_chunk_kernel(
         if mid:  # levels C/2 .. 16 from the middle anchor's factors
             b_r16, b_c16 = _middle_anchor(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, EXACT_SUMS)
             for lvl in tl.static_range(C // 32 + 1):
-                m, b_r, b_c = _chained_level(b_r16, b_c16, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m, C >> lvl, EXACT_SUMS)
+                m, b_r, b_c = _chained_level(b_r16, b_c16, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m,
+                                             C >> lvl, EXACT_SUMS)
                 b_A = _add_level(b_A, b_x, b_k, m, b_r, b_c, PREC)
         else:  # every exponent <= 0: any gate
             for lvl in tl.static_range(C // 32 + 4):
-                m, b_r, b_c = anchored_level(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, C >> lvl, EXACT_SUMS)
+                m, b_r, b_c = anchored_level(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, C >> lvl,
+                                             EXACT_SUMS)
                 b_A = _add_level(b_A, b_x, b_k, m, b_r, b_c, PREC)
             if i_m == 0:  # Aqk's diagonal: factor e^0 = 1
                 b_A += tl.where(o_c[:, None] == o_c[None, :], tl.sum(b_x * b_k, 1)[:, None], 0.0)

@@ -28,10 +28,10 @@ def kda_fwd_output_kernel(
     r_t = (bos + t0 + o_c).to(tl.int64)[:, None] * HV + i_hv
     m_tv = m_t[:, None] & (o_v < V)[None, :]
     b_qg = as_operand(tl.load(qg + r_t * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0), DT, EMU)
-    b_A = as_operand(tl.load(Aqk + r_t * C + o_c[None, :], mask=m_t[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0),
-              DT, EMU)
-    b_h = as_operand(tl.load(h + i_p * K * V + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & (o_v < V)[None, :],
-                      other=0.0), DT, EMU)
+    m_A = m_t[:, None] & (o_c[:, None] >= o_c[None, :])
+    b_A = as_operand(tl.load(Aqk + r_t * C + o_c[None, :], mask=m_A, other=0.0), DT, EMU)
+    m_h = (o_k < K)[:, None] & (o_v < V)[None, :]
+    b_h = as_operand(tl.load(h + i_p * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0), DT, EMU)
     b_vn = as_operand(tl.load(vn + r_t * V + o_v[None, :], mask=m_tv, other=0.0), DT, EMU)
     b_o = tl.dot(b_qg, b_h, input_precision=PREC) + tl.dot(b_A, b_vn, input_precision=PREC)
     tl.store(o + r_t * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)

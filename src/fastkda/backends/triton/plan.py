@@ -315,7 +315,8 @@ class ChunkPlan:
         b = self.backward
         if b is not None:
             lines.append(f"  backward scan: {b.scan_bv} value columns {_fmt(b.scan)}")
-            gates = (f"whole-chunk gate gradients ({b.pair_prec} pairs, {b.gate_block_bs} columns {_fmt(b.gate_block)}; "
+            gates = (f"whole-chunk gate gradients ({b.pair_prec} pairs, {b.gate_block_bs} columns "
+                     f"{_fmt(b.gate_block)}; "
                      f"dg {b.dg_bs} columns {_fmt(b.dg)})" if b.whole else
                      f"block gate gradients ({'exact' if b.exact_pairs else 'row/column'} pair sums, "
                      f"diagonal {b.diag_prec}, {_fmt(b.gate)})")

@@ -56,7 +56,8 @@ def kda_fwd_scan_kernel(
         if STORE_H:
             p_h, m_h = state_ptrs(h + ((c_off + i_t) * HV + i_hv) * K * V, o_k, o_v, K, V, H_V_FIRST)
             tl.store(p_h, b_S.to(h.dtype.element_ty), mask=m_h)
-        b_w, b_qg, b_kd, b_A, b_gl = chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV, K, C, DT, EMU)
+        b_w, b_qg, b_kd, b_A, b_gl = chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV, K, C,
+                                                    DT, EMU)
         if U_IN:  # independent of the state: the loads and the product overlap the chain of S
             b_X = block_lower(xs + ((c_off + i_t) * HV + i_hv) * C * C, o_c, C)  # [C, C]
             b_y = tl.load(v + p_uv + r_t * (HV * V), mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
@@ -102,7 +103,8 @@ def fwd_scan(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, w, u, xs, qg, kd
         vn = new_empty(B, T, HV, V, dtype=dt, device=dev)
     elif opts.return_intermediate_states:
         lead = (1, NT_total) if x.cu_seqlens is not None else (B, cdiv(T, C))
-        h = out_alloc(opts)(*lead, HV, *opts.state_shape, dtype=torch.float32, device=dev)  # use_graph: zero past the chunks
+        # use_graph: zero past the chunks
+        h = out_alloc(opts)(*lead, HV, *opts.state_shape, dtype=torch.float32, device=dev)
     o_scan = None if scan.split_output else o
     BK, dot = pow2(K), plan.dot
     if N * HV > 0:

@@ -60,7 +60,8 @@ def store_tile(x, b_x, bos, t0, T_seq, i_head, NH: tl.constexpr, D: tl.constexpr
     """Store a tile at rows t0 + o_i of x [.., NH, D] (rows past the sequence end skipped)."""
     o_t = t0 + o_i
     m = (o_t < T_seq)[:, None] & (o_d < D)[None, :]
-    tl.store(x + (bos + o_t).to(tl.int64)[:, None] * (NH * D) + i_head * D + o_d[None, :], b_x.to(x.dtype.element_ty), mask=m)
+    p = x + (bos + o_t).to(tl.int64)[:, None] * (NH * D) + i_head * D + o_d[None, :]
+    tl.store(p, b_x.to(x.dtype.element_ty), mask=m)
 
 
 @triton.jit

@@ -46,14 +46,16 @@ def _l_block(ls, b_b, r, j, C: tl.constexpr, o_i):
 def kda_fwd_inverse_kernel(
     beta, gc, ls, xs, xh, gl, cu_seqlens, chunk_indices, T,
     HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, HEADS_FIRST: tl.constexpr, STORE_DECAY: tl.constexpr,
+    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    STORE_DECAY: tl.constexpr,
     X_COPY: tl.constexpr,
 ):
     """X = (I + L)^-1 with L = Diag(beta) Akk, block by block (float32 products):
     X_rr = (I + L_rr)^-1,  X_rj = -X_rr sum_{j <= m < r} L_rm X_mj  (C = 32 or 64: 2 or 4 row
     blocks). Every block of L is loaded up front and every block of X stays in registers until it
     is stored: no product waits for a block read back from memory.
-    X goes to the scratch xs (float32, or bfloat16 where the plan says: Stage1Plan.x_dtype) and, with X_COPY, a bfloat16 copy to
+    X goes to the scratch xs (float32, or bfloat16 where the plan says: Stage1Plan.x_dtype) and,
+    with X_COPY, a bfloat16 copy to
     xh (training: the w/u kernel reads the copy, the backward xs). Then, with STORE_DECAY, the chunk decay
     gl from the block sums (the whole-chunk path's gates kernel stores it itself)."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1, HEADS_FIRST)
@@ -89,7 +91,8 @@ def kda_fwd_inverse_kernel(
         b_X20 = -prod(b_X22, prod(b_L20, b_X00, "ieee") + prod(b_L21, b_X10, "ieee"), "ieee")
         b_X32 = -prod(b_X33, prod(b_L32, b_X22, "ieee"), "ieee")
         b_X31 = -prod(b_X33, prod(b_L31, b_X11, "ieee") + prod(b_L32, b_X21, "ieee"), "ieee")
-        b_X30 = -prod(b_X33, prod(b_L30, b_X00, "ieee") + prod(b_L31, b_X10, "ieee") + prod(b_L32, b_X20, "ieee"), "ieee")
+        b_X30 = -prod(b_X33, prod(b_L30, b_X00, "ieee") + prod(b_L31, b_X10, "ieee") + prod(b_L32, b_X20, "ieee"),
+                      "ieee")
         _store_x(xs, xh, b_X22, 2, 2, C, o_i, X_COPY)
         _store_x(xs, xh, b_X33, 3, 3, C, o_i, X_COPY)
         _store_x(xs, xh, b_X21, 2, 1, C, o_i, X_COPY)
@@ -140,7 +143,8 @@ def kda_fwd_wu_kernel(
     the chunk start; otherwise block-local ones, and the exponents are sums of block sums and of the
     activated gates ga (never differences of long sums). PREC as prod's ("bf16" with X stored as
     bfloat16)."""
-    i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK + NSV, HEADS_FIRST)
+    i_s, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSK + NSV,
+                                                   HEADS_FIRST)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     i_h = i_hv // (HV // H)
@@ -163,8 +167,9 @@ def kda_fwd_wu_kernel(
                 m_x = tl.full([], 1, tl.int1)
                 if SPLIT:  # stored for the chunks with gok != 1 alone; masked loads (faster than a branch)
                     m_x = tl.load(gok + i_p) != 1
-                b_dG += _cum_gates_lo_where(gd, bos, t0, T_seq, i_hv, HV, K, tl.full([1], C - 1, tl.int32), o_d, m_x) - _cum_gates_lo_where(
-                    gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, m_x)
+                o_last = tl.full([1], C - 1, tl.int32)
+                b_dG += _cum_gates_lo_where(gd, bos, t0, T_seq, i_hv, HV, K, o_last, o_d, m_x) \
+                    - _cum_gates_lo_where(gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, m_x)
             b_d = tl.exp2(b_dG)
         else:  # G: own block's cumulative gates + earlier blocks'; G_last - G: the rest of the block + later blocks'
             b_before, b_after = _blocks_around(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d)
