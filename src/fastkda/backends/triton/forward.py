@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ...alloc import new_empty
-from ...options import GateMode, KDAInputs, KDAOptions
+from ...options import GateMode, KDAInputs, KDAOptions, graph_chunk_slots
 from .chunk_gates import kda_fwd_gates_kernel
 from .common import chunk_grid, chunk_tables, chunk_tables_static, gate_launch, launch
 from .intra import kda_fwd_intra_chunk_kernel, kda_fwd_intra_kernel
@@ -50,7 +50,9 @@ class Stage1(NamedTuple):
 
 
 def chunk_count(opts: KDAOptions, cu_seqlens, cu_host) -> int:
-    """Chunk slots of a call's grids (the plan's ``chunks``)."""
+    """Chunk slots of a call's grids (the plan's ``chunks``), without building use_graph's tables."""
+    if opts.graph:
+        return graph_chunk_slots(opts.shape.T, opts.shape.N, opts.chunk_size)
     return chunk_tables_of(opts, cu_seqlens, cu_host)[2]
 
 

@@ -21,23 +21,17 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from ...options import KDAInputs, KDAOptions, graph_chunk_slots
+from ...options import KDAInputs, KDAOptions
 from .backward import gradients
-from .common import chunk_tables, contiguous_inputs, current_record, graph_seqlens, recording
-from .forward import Stage1, chunk_tables_of, forward_stages
-from .plan import ChunkPlan, cdiv, chunk_plan, current_tuning, device_facts
+from .common import contiguous_inputs, current_record, graph_seqlens, recording
+from .forward import Stage1, chunk_count, chunk_tables_of, forward_stages
+from .plan import ChunkPlan, chunk_plan, current_tuning, device_facts
 
 
 def plan_of(opts: KDAOptions, x: KDAInputs, train: bool) -> ChunkPlan:
     """The plan of a call on inputs ``x`` (the current tuning, this device's facts)."""
     tuning = current_tuning()
-    s, C = opts.shape, opts.chunk_size
-    if opts.graph:
-        chunks = graph_chunk_slots(s.T, s.N, C)
-    elif x.cu_seqlens is not None:
-        chunks = chunk_tables(x.cu_seqlens_cpu, C, x.cu_seqlens.device)[2]
-    else:
-        chunks = s.B * cdiv(s.T, C)
+    chunks = chunk_count(opts, x.cu_seqlens, x.cu_seqlens_cpu)
     return chunk_plan(opts, x.q.dtype, train, chunks, device_facts(x.q.device, tuning), tuning)
 
 
@@ -93,7 +87,8 @@ _INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_
 
 
 def _kept(p: Stage1, h=None, vn=None) -> Kept:
-    return Kept(p.Aqk, p.gl, p.gc, p.ga, p.ls, p.xs, p.rs, p.gd, p.gok, p.xh, p.w, p.u, p.qg, p.kd, h, vn)
+    """What the backward reads, by field name from stage 1's output (plus the scan's h, v')."""
+    return Kept(**{f: getattr(p, f) for f in Kept._fields if f in Stage1._fields}, h=h, vn=vn)
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -140,8 +135,9 @@ class ChunkKDAFunction(torch.autograd.Function):
             if do is None:  # a loss of the final state alone (o has v's shape and dtype)
                 do = torch.zeros_like(x.v)
             need_dh0 = x.initial_state is not None and ctx.needs_input_grad[9]
-            p = Stage1(k.w, k.u, k.qg, k.kd, k.Aqk, k.gl, k.gc, k.ga, k.ls, k.xs, k.rs,
-                       *chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu), k.gd, k.gok, k.xh)
+            chunk_indices, chunk_offsets, NT_total = chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu)
+            p = Stage1(**{f: getattr(k, f) for f in Stage1._fields if f in Kept._fields},
+                       chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, NT_total=NT_total)
             if opts.disable_recompute:
                 stage = [p, k.h, k.vn]
             else:

@@ -230,7 +230,6 @@ class Stage1Plan:
     passes: tuple  # (exact sums, select) of each launch of the split kernels (tiles.chunk_form)
     heads_first: bool
     softplus_form: int
-    prec: str  # the products' input precision (block path)
     x_dtype: torch.dtype  # X as the inverse stores it
     x_copy: bool  # and a bfloat16 copy for the w/u kernel (training)
     BK: int
@@ -389,7 +388,7 @@ def _stage1(opts: KDAOptions, dtype: torch.dtype, train: bool, dev: Device, tuni
     intra_prec = _bf16_prec(dev.interpret) if whole and tuning.bf16_products and dtype == torch.bfloat16 else dot.prec
     return Stage1Plan(
         whole=whole, exact_sums=exact, passes=passes, heads_first=tuning.heads_first,
-        softplus_form=softplus_form(dtype, dev.interpret, tuning), prec=dot.prec, x_dtype=x_dtype, x_copy=x_copy,
+        softplus_form=softplus_form(dtype, dev.interpret, tuning), x_dtype=x_dtype, x_copy=x_copy,
         BK=BK, BS=BS,
         # gates, intra and inverse do not see V: their warps follow K alone
         gates_bs=min(tuning.gates_slice_whole if whole else tuning.gates_slice, BS),
