@@ -26,19 +26,24 @@ from .options import autocast_qkv, check_writable, chunk_options, recurrent_opti
 _GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
 
-def _chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-           use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
-           dt_bias, chunk_size):
-    """The eager operator, as ``fastkda.chunk_kda`` runs it (inside a custom op nothing is being
-    compiled): the options, then the backend the registry picks."""
-    q, k, v, ctx = autocast_qkv(q, k, v)
-    opts, inputs = chunk_options(
+def _chunk_options(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                   state_v_first, cu_seqlens, A_log, dt_bias, chunk_size):
+    """(options, inputs) of a chunk_kda call; its parameters are the op's arguments, in order."""
+    return chunk_options(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=False, return_intermediate_states=False,
         state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, cp_context=None, A_log=A_log,
         dt_bias=dt_bias, chunk_size=chunk_size)
+
+
+def _chunk(q, k, v, *args):
+    """The eager operator, as ``fastkda.chunk_kda`` runs it (inside a custom op nothing is being
+    compiled): the options, then the backend the registry picks (_chunk_options's arguments)."""
+    q, k, v, ctx = autocast_qkv(q, k, v)
+    opts, inputs = _chunk_options(q, k, v, *args)
     with ctx:
         o, final, _ = registry.dispatch("chunk_kda", opts, inputs)
     return o, final
@@ -75,17 +80,9 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_
     return o, q.new_empty(_state_shape(q, v, initial_state, cu_seqlens, state_v_first), dtype=state_dtype(q.dtype))
 
 
-def _chunk_backend(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                   use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
-                   state_v_first, cu_seqlens, A_log, dt_bias, chunk_size):
-    """(backend, options, inputs) the registry picks for this chunk_kda call."""
-    opts, inputs = chunk_options(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=False, return_intermediate_states=False,
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, cp_context=None, A_log=A_log,
-        dt_bias=dt_bias, chunk_size=chunk_size)
+def _chunk_backend(*args):
+    """(backend, options, inputs) the registry picks for this chunk_kda call (_chunk_options's arguments)."""
+    opts, inputs = _chunk_options(*args)
     return registry.select("chunk_kda", opts, inputs)[0], opts, inputs
 
 
@@ -152,7 +149,7 @@ def _(do, dfinal, q, k, v, g, beta, scale, initial_state, output_final_state, us
     return _grads_fake(dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias))
 
 
-_ARG_NAMES = tuple(inspect.signature(_chunk).parameters)  # the op's arguments, in order
+_ARG_NAMES = tuple(inspect.signature(_chunk_options).parameters)  # the op's arguments, in order
 
 
 def _register_autograd(op, arg_names: tuple, backward_op) -> None:

@@ -144,10 +144,20 @@ class ChunkLayout:
         y = torch.cat(rows)[self.tok_pos]
         return y[None] if self.varlen else y.view(self.B, self.T, *y.shape[1:])
 
-    def unsort(self, done: list[torch.Tensor], rest: torch.Tensor) -> torch.Tensor:
-        """States in sequence order from a scan's pieces: ``done[t]`` holds the sequences that left
-        after step t (ranks steps[t+1].count .. steps[t].count), ``rest`` those with no step."""
-        return torch.cat([*reversed(done), rest])[self.rank]
+    def scan(self, S: torch.Tensor, step) -> torch.Tensor:
+        """A state scan over the steps, from the states ``S`` [N, ...] in sequence order: at step t,
+        ``step(rows, S_t)`` advances the states of the first ``count`` sequences of ``order`` (rows
+        ``rows`` of group 0) and returns them. Returns the states after the last step of each
+        sequence, in sequence order (a sequence with no step keeps its state)."""
+        S_sorted = S[self.order]
+        a0 = self.steps[0][1] if self.steps else 0
+        S, done = S_sorted[:a0], []  # done[t]: the sequences that leave after step t
+        for t, (off, a) in enumerate(self.steps):
+            nxt = self.steps[t + 1][1] if t + 1 < len(self.steps) else 0
+            S = step(slice(off, off + a), S)
+            done.append(S[nxt:])
+            S = S[:nxt]
+        return torch.cat([*reversed(done), S_sorted[a0:]])[self.rank]
 
 
 def _activate(opts: KDAOptions, x: KDAInputs, dtype):
@@ -274,21 +284,17 @@ def chunk_forward(opts: KDAOptions, x: KDAInputs):
         S0 = q.new_zeros(N, HV, K, V)
     # the scan over full chunks: step t advances the first `a` sequences of lay.order by one chunk
     Aqk, w, u, qg, kd, dl = groups[0]
-    S_sorted = S0[lay.order]
-    a0 = lay.steps[0][1] if lay.steps else 0
-    S = S_sorted[:a0]
-    hs, vns, done = [], [], []
-    for t, (off, a) in enumerate(lay.steps):
-        nxt = lay.steps[t + 1][1] if t + 1 < len(lay.steps) else 0
-        rows = slice(off, off + a)
+    hs, vns = [], []
+
+    def step(rows, S):
+        a = S.shape[0]
         S3 = S.reshape(a * HV, K, V)  # batch dims merged for baddbmm
         vn = torch.baddbmm(u[rows].flatten(0, 1), w[rows].flatten(0, 1), S3, alpha=-1)  # v' = u - w S
-        S_next = torch.baddbmm(dl[rows].flatten(0, 1) * S3, kd[rows].flatten(0, 1), vn).view(a, HV, K, V)
         hs.append(S)
         vns.append(vn.view(a, HV, C, V))
-        done.append(S_next[nxt:])
-        S = S_next[:nxt]
-    S_mid = lay.unsort(done, S_sorted[a0:])  # after every full chunk
+        return torch.baddbmm(dl[rows].flatten(0, 1) * S3, kd[rows].flatten(0, 1), vn).view(a, HV, K, V)
+
+    S_mid = lay.scan(S0, step)  # after every full chunk
     H_full = torch.cat(hs) if hs else S0.new_zeros(0, HV, K, V)  # the state at every full chunk's start
     outs = [qg @ H_full + Aqk @ (torch.cat(vns) if vns else u)]
     # each sequence's partial last chunk, from its state after the full chunks
@@ -418,13 +424,9 @@ def recurrent_forward(opts: KDAOptions, x: KDAInputs):
     S = S.transpose(-1, -2) if opts.state_v_first else S  # [N, HV, K, V]
 
     per_token = opts.pool and opts.inplace_final_state and opts.spec_decode
-    S_sorted = S[lay.order]
-    a0 = lay.steps[0][1] if lay.steps else 0
-    S = S_sorted[:a0]
-    outs, states, done = [], [], []
-    for t, (off, a) in enumerate(lay.steps):
-        nxt = lay.steps[t + 1][1] if t + 1 < len(lay.steps) else 0
-        r = slice(off, off + a)
+    outs, states = [], []
+
+    def step(r, S):
         S = S * g[r].exp()[..., None]
         kt = k[r, :, :, None]  # [a, HV, K, 1]; products as sums: no matmul launch per token
         delta = beta[r, :, None] * (v[r] - (kt * S).sum(-2))
@@ -432,9 +434,9 @@ def recurrent_forward(opts: KDAOptions, x: KDAInputs):
         outs.append(((q[r] * opts.scale)[..., None] * S).sum(-2))
         if per_token:
             states.append(S)
-        done.append(S[nxt:])
-        S = S[:nxt]
-    S = lay.unsort(done, S_sorted[a0:])
+        return S
+
+    S = lay.scan(S, step)
     o_steps = torch.cat(outs) if outs else q.new_zeros(0, s.HV, s.V)
     o = lay.merge([o_steps[:, None]]).to(x.v.dtype).contiguous()
 
