@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastkda import chunk_kda, use_backend
-from fastkda.testing import Case, make_inputs, reference
+from fastkda.testing import Case, make_inputs, reference, rel_rms
 
 
 def run_forward(backend, case, rng, intermediate=False):
@@ -404,6 +404,60 @@ def test_softplus_forms(fast, rng):
     want = torch.nn.functional.softplus(x.double())
     err = (y.double() - want).abs()
     assert bool((err <= 3e-7 + 1e-7 * want).all()), (fast, err.max().item())
+
+
+def _round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 to the nearest tf32, ties away from zero, by the integer bits (int64: no overflow)."""
+    b = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    b = (((b + 0x1000) >> 13) << 13) & 0xFFFFFFFF
+    return torch.where(b >= 2**31, b - 2**32, b).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+def test_round_tf32(rng):
+    """tiles.round_tf32 bit for bit against the integer form, and within half a tf32 unit (2^-11
+    relative) of its input, on values of every size and sign, zeros, halfway cases and infinities."""
+    from triton_probes import round_tf32_kernel
+
+    x = torch.randn(4096, generator=rng) * torch.exp2(torch.randint(-60, 60, (4096,), generator=rng).float())
+    x[:4] = torch.tensor([0.0, -0.0, float("inf"), float("-inf")])
+    x[4:8] = torch.tensor([1 + 2**-11, -(1 + 2**-11), 1 + 3 * 2**-11, 2**-126])  # ties, and the smallest normal
+    x = x.to(DEVICE)
+    y = torch.full_like(x, float("nan"))
+    round_tf32_kernel[(1,)](x, y, N=x.numel())
+    want = _round_tf32(x.cpu()).to(DEVICE)
+    assert torch.equal(y.view(torch.int32), want.view(torch.int32)), (x[y != want][:4], y[y != want][:4])
+    assert float(y[4]) == 1 + 2**-10 and float(y[5]) == -(1 + 2**-10) and float(y[6]) == 1 + 2**-9
+    finite = torch.isfinite(x) & (x != 0)
+    assert bool(((y - x).abs() <= x.abs() * 2.0**-11)[finite].all())
+    assert bool((y.view(torch.int32) & 0x1FFF == 0).all()), "low 13 bits left"
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+def test_tf32_rn_products(rng):
+    """tiles.prod's "tf32_rn" (the float16 path's products of float32 operands) is the product of
+    the operands rounded to nearest tf32, to float32 accumulation (1e-6 relative). On the GPU the
+    plain "tf32" product truncates them instead: on positive operands its one-signed errors add up
+    to more than twice the rounded product's error against the exact one (measured 4x-10x on an
+    H200), the bias the rounding removes. The interpreter's "tf32" products are float32 ones."""
+    from triton_probes import prod_kernel
+
+    M, N, K = 64, 32, 64
+    a = (torch.rand(M, K, generator=rng) + 0.1).to(DEVICE)  # positive: truncation errors of one sign
+    b = (torch.rand(K, N, generator=rng) + 0.1).to(DEVICE)
+    exact = a.double() @ b.double()
+    got = {}
+    for prec in ("tf32_rn", "tf32", "ieee"):
+        c = torch.full((M, N), float("nan"), device=DEVICE)
+        prod_kernel[(1,)](a, b, c, M=M, N=N, K=K, PREC=prec)
+        got[prec] = c.double()
+    rounded = _round_tf32(a.cpu()).double().to(DEVICE) @ _round_tf32(b.cpu()).double().to(DEVICE)
+    assert rel_rms(got["tf32_rn"], rounded) <= 1e-6, rel_rms(got["tf32_rn"], rounded)
+    assert rel_rms(got["ieee"], exact) <= 1e-6
+    err_rn, err_tf32 = rel_rms(got["tf32_rn"], exact), rel_rms(got["tf32"], exact)
+    assert err_rn <= 2.0**-11, err_rn
+    if GPU:
+        assert err_tf32 > 2 * err_rn, (err_tf32, err_rn)
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")

@@ -1,10 +1,12 @@
 """GPU tier only: chunk_kda gradients of every input (A_log and dt_bias included) at gate extremes
 and at the gates real models start from, bfloat16 and float16, safe and softplus gates, by their
 plain relative RMS error against float64 autograd, per tensor. Every gradient within the dtype's
-budget; under extreme softplus gates (raw inputs of scale 20, A_log = 3), where strong decays make
-dA_log weigh each token's rounding by |y| in the hundreds, the gate gradients (g, A_log, dt_bias)
-within fla-core 0.6.0's error on the same inputs: measured in the test where fla-core is installed,
-else the table below (H200, 2026-12-03)."""
+budget; and no gradient (nor the output) less accurate than fla-core 0.6.0's on the same inputs,
+pooled over the cases and three seeds (one seed's error of a 16-element dA_log varies 4x from seed
+to seed). Under extreme softplus gates (raw inputs of scale 20, A_log = 3), where strong decays
+make dA_log weigh each token's rounding by |y| in the hundreds, fla-core's gate gradients are 2x-100x
+off: there they are compared on their own. fla-core's errors are measured in the test where it is
+installed, else the tables below (H200, 2026-12-03)."""
 
 import math
 
@@ -106,3 +108,73 @@ def test_gate_gradients(case, dtype):
             theirs = fla_errors(x, kw, cot, want) or FLA_EXTREME[dtype]
             worse = {n: (ours[n], theirs[n]) for n in GATE_GRADS if not ours[n] <= theirs[n]}
             assert not worse, f"seed {seed}: gate gradients less accurate than fla-core's (ours, fla-core's): {worse}"
+
+
+# fla-core 0.6.0's pooled errors on test_fla_parity's inputs (H200, 2026-12-03; its autotuned kernels
+# at their first configuration), the bound where it is not installed
+FLA_POOLED = {
+    torch.bfloat16: {
+        "ordinary": {"q": 3.89e-3, "k": 3.98e-3, "v": 3.63e-3, "g": 4.95e-3, "beta": 3.65e-3, "A_log": 4.23e-3,
+                     "dt_bias": 4.63e-3, "initial_state": 2.85e-3, "o": 4.17e-3},
+        "extreme": {"g": 6.59e-3, "A_log": 0.357, "dt_bias": 2.33e-2},
+        "every": {"q": 3.84e-3, "k": 3.86e-3, "v": 3.57e-3, "beta": 3.64e-3, "initial_state": 2.79e-3, "o": 4.12e-3},
+    },
+    torch.float16: {
+        "ordinary": {"q": 5.57e-4, "k": 5.38e-4, "v": 4.96e-4, "g": 6.57e-4, "beta": 5.18e-4, "A_log": 7.28e-4,
+                     "dt_bias": 6.42e-4, "initial_state": 3.83e-4, "o": 6.74e-4},
+        "extreme": {"g": 5.52e-3, "A_log": 0.348, "dt_bias": 2.34e-2},
+        "every": {"q": 5.43e-4, "k": 5.24e-4, "v": 4.94e-4, "beta": 5.12e-4, "initial_state": 3.71e-4, "o": 6.45e-4},
+    },
+}
+PARITY_SEEDS = (0, 1, 2)
+
+
+def pooled(errors: list[dict]) -> dict:
+    """Root mean square over the runs of each tensor's relative RMS error."""
+    return {n: math.sqrt(sum(e[n] ** 2 for e in errors) / len(errors)) for n in errors[0]}
+
+
+def parity_errors(fn, dtype) -> dict:
+    """{case: [per-seed errors of o and every gradient]} of chunk_kda-like fn, HV = 16 value heads."""
+    out = {}
+    for case in CASES:
+        out[case] = []
+        for seed in PARITY_SEEDS:
+            x, kw, cot = inputs(case, dtype, seed, H=4, HV=16)
+            want = reference_grads(x, kw, cot)
+            got = grads(fn, x, kw, cot)
+            errors = {n: rel_rms(got[n], want[n]) for n in NAMES}
+            with torch.no_grad():
+                o_ref, _ = reference({n: t.detach().double() for n, t in x.items()}
+                                     | {n: v for n, v in kw.items() if n != "safe_gate"}, chunked=True)
+                errors["o"] = rel_rms(fn(**x, **kw)[0], o_ref)
+            out[case].append(errors)
+    return out
+
+
+def parity_groups(per_case: dict) -> dict:
+    """The pooled errors compared: every tensor over the ordinary cases, the gate gradients under
+    extreme softplus gates on their own, the other tensors over every case."""
+    ordinary = [e for c, es in per_case.items() if c != "softplus_extreme" for e in es]
+    every = [e for es in per_case.values() for e in es]
+    extreme = per_case["softplus_extreme"]
+    gate = set(GATE_GRADS)
+    return {"ordinary": pooled(ordinary),
+            "extreme": {n: v for n, v in pooled(extreme).items() if n in gate},
+            "every": {n: v for n, v in pooled(every).items() if n not in gate}}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fla_parity(dtype):
+    with use_backend("triton"):
+        ours = parity_groups(parity_errors(chunk_kda, dtype))
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+    except ImportError:
+        theirs = FLA_POOLED[dtype]
+    else:
+        theirs = parity_groups(parity_errors(fla_chunk_kda, dtype))
+    for group, errs in ours.items():
+        print(dtype, group, " ".join(f"{n}={e:.2e}/{theirs[group][n]:.2e}" for n, e in errs.items()))
+    worse = {(g, n): (e, theirs[g][n]) for g, errs in ours.items() for n, e in errs.items() if not e <= theirs[g][n]}
+    assert not worse, f"less accurate than fla-core 0.6.0 (pooled relative RMS, ours and fla-core's): {worse}"

@@ -113,7 +113,7 @@ def test_stage1_path(gate, safe, dtype, train, whole):
 
 @pytest.mark.parametrize("dtype,train,x_dtype,copy,wu_prec", [
     (torch.bfloat16, False, torch.bfloat16, False, "bf16"), (torch.bfloat16, True, torch.float32, True, "bf16"),
-    (torch.float16, False, torch.float32, False, "tf32"), (torch.float32, True, torch.float32, False, "ieee")])
+    (torch.float16, False, torch.float32, False, "tf32_rn"), (torch.float32, True, torch.float32, False, "ieee")])
 def test_x_precision(dtype, train, x_dtype, copy, wu_prec):
     """X as the inverse stores it, its bfloat16 copy for training, and the w/u products' precision;
     the interpreter emulates bfloat16 products."""

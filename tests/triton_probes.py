@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from fastkda.backends.triton.common import softplus
-from fastkda.backends.triton.tiles import exclusive_cumsum
+from fastkda.backends.triton.tiles import exclusive_cumsum, prod, round_tf32
 from fastkda.backends.triton.chunk_gates import exact_cumsum
 
 
@@ -30,3 +30,19 @@ def softplus_kernel(x, y, N: tl.constexpr, FAST: tl.constexpr):
     """y [N] = common.softplus(x [N], FAST)."""
     o = tl.arange(0, N)
     tl.store(y + o, softplus(tl.load(x + o), FAST))
+
+
+@triton.jit
+def round_tf32_kernel(x, y, N: tl.constexpr):
+    """y [N] = tiles.round_tf32(x [N])."""
+    o = tl.arange(0, N)
+    tl.store(y + o, round_tf32(tl.load(x + o)))
+
+
+@triton.jit
+def prod_kernel(a, b, c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, PREC: tl.constexpr):
+    """c [M, N] = tiles.prod(a [M, K], b [K, N], PREC), float32 operands."""
+    o_m, o_n, o_k = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+    b_a = tl.load(a + o_m[:, None] * K + o_k[None, :])
+    b_b = tl.load(b + o_k[:, None] * N + o_n[None, :])
+    tl.store(c + o_m[:, None] * N + o_n[None, :], prod(b_a, b_b, PREC))

@@ -20,7 +20,7 @@ from ...alloc import new_empty
 from ...options import KDAOptions
 from .common import launch, seq_grid, seq_program, sequence_location
 from .plan import ChunkPlan, pow2
-from .tiles import as_operand, chunk_operands, state_ptrs
+from .tiles import as_operand, chunk_operands, prod, state_ptrs
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -57,10 +57,10 @@ def kda_bwd_scan_kernel(
         b_do = as_operand(tl.load(do + p_uv + r_t * (HV * V), mask=m_tv, other=0.0), DT, EMU)  # [C, BV]
 
         b_dHd = as_operand(b_dH, DT, EMU)
-        b_dvn = tl.dot(tl.trans(b_A), b_do, input_precision=PREC) + tl.dot(b_kd, b_dHd, input_precision=PREC)
+        b_dvn = prod(tl.trans(b_A), b_do, PREC) + prod(b_kd, b_dHd, PREC)
         tl.store(dvn + p_uv + r_t * (HV * V), b_dvn, mask=m_tv)
-        b_dH = b_dH * b_gl[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC) \
-            - tl.dot(tl.trans(b_w), as_operand(b_dvn, DT, EMU), input_precision=PREC)
+        b_dH = b_dH * b_gl[:, None] + prod(tl.trans(b_qg), b_do, PREC) \
+            - prod(tl.trans(b_w), as_operand(b_dvn, DT, EMU), PREC)
 
     if STORE_DH0:
         p_dh0, m_h = state_ptrs(dh0 + i_nh * K * V, o_k, o_v, K, V, V_FIRST)

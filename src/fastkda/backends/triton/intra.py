@@ -43,8 +43,8 @@ def _diag_blocks(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, C: tl.cons
             b_cm = row_of(b_c, o_i, 8)
             b_up = tl.exp2(b_c - b_cm[None, :])
             b_col = tl.trans(b_k * tl.exp2(b_cm[None, :] - b_c))
-            b_Aqk += tl.dot(b_q * b_up, b_col, input_precision=PREC)
-            b_Akk += tl.dot(b_k * b_up, b_col, input_precision=PREC)
+            b_Aqk += prod(b_q * b_up, b_col, PREC)
+            b_Akk += prod(b_k * b_up, b_col, PREC)
         else:
             # unbounded gates: four levels of pairs, each anchored where both factors are <= 1
             b_g = load_tile(ga, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
@@ -52,8 +52,8 @@ def _diag_blocks(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, C: tl.cons
             for lvl in tl.static_range(4):
                 m, b_r, b_f = split_level(b_g, b_gn, o_i, 8 >> lvl)
                 b_col = tl.trans(b_k * b_f)
-                b_Aqk += tl.where(m, tl.dot(b_q * b_r, b_col, input_precision=PREC), 0.0)
-                b_Akk += tl.where(m, tl.dot(b_k * b_r, b_col, input_precision=PREC), 0.0)
+                b_Aqk += tl.where(m, prod(b_q * b_r, b_col, PREC), 0.0)
+                b_Akk += tl.where(m, prod(b_k * b_r, b_col, PREC), 0.0)
             b_Aqk += tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)  # factor 1
     b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk, 0.0)
     b_Akk = tl.where(o_i[:, None] > o_i[None, :], b_Akk, 0.0)
@@ -79,8 +79,8 @@ def _block_pair(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, J, C: tl.co
         b_kj = load_tile(k, bos, tj, T_seq, i_h, H, K, o_i, o_d) * b_rkj[:, None]
         b_between = block_sums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, J + 1, R)
         b_col = tl.trans(b_kj * tl.exp2(gates_after(ga, bos, tj, T_seq, i_hv, HV, K, o_i, o_d) + b_between[None, :]))
-        b_Aqk += tl.dot(b_q, b_col, input_precision=PREC)
-        b_Akk += tl.dot(b_k, b_col, input_precision=PREC)
+        b_Aqk += prod(b_q, b_col, PREC)
+        b_Akk += prod(b_k, b_col, PREC)
     return b_Aqk, b_Akk
 
 

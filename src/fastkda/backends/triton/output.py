@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .common import chunk_program
-from .tiles import as_operand
+from .tiles import as_operand, prod
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -33,5 +33,5 @@ def kda_fwd_output_kernel(
     m_h = (o_k < K)[:, None] & (o_v < V)[None, :]
     b_h = as_operand(tl.load(h + i_p * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h, other=0.0), DT, EMU)
     b_vn = as_operand(tl.load(vn + r_t * V + o_v[None, :], mask=m_tv, other=0.0), DT, EMU)
-    b_o = tl.dot(b_qg, b_h, input_precision=PREC) + tl.dot(b_A, b_vn, input_precision=PREC)
+    b_o = prod(b_qg, b_h, PREC) + prod(b_A, b_vn, PREC)
     tl.store(o + r_t * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)

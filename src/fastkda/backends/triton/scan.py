@@ -67,14 +67,14 @@ def kda_fwd_scan_kernel(
             b_u = tl.load(u + p_uv + r_t * (HV * V), mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
 
         b_Sd = as_operand(b_S, DT, EMU)
-        b_vn = b_u - tl.dot(b_w, b_Sd, input_precision=PREC)  # v' = u - w S   [C, BV]
+        b_vn = b_u - prod(b_w, b_Sd, PREC)  # v' = u - w S   [C, BV]
         b_vnd = as_operand(b_vn, DT, EMU)
         if STORE_VN:
             tl.store(vn + p_uv + r_t * (HV * V), b_vnd.to(vn.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         if STORE_O:
-            b_o = tl.dot(b_qg, b_Sd, input_precision=PREC) + tl.dot(b_A, b_vnd, input_precision=PREC)
+            b_o = prod(b_qg, b_Sd, PREC) + prod(b_A, b_vnd, PREC)
             tl.store(o + p_uv + r_t * (HV * V), b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-        b_S = b_S * b_gl[:, None] + tl.dot(tl.trans(b_kd), b_vnd, input_precision=PREC)
+        b_S = b_S * b_gl[:, None] + prod(tl.trans(b_kd), b_vnd, PREC)
 
     if STORE_HT:
         p_ht, m_h = state_ptrs(ht + i_nh * K * V, o_k, o_v, K, V, V_FIRST)

@@ -145,18 +145,41 @@ def store_block(x, b_x, row, col, C: tl.constexpr, o_i):
 
 
 @triton.jit
+def round_tf32(x):
+    """float32 x rounded to the nearest tf32 (10 mantissa bits, ties away from zero)."""
+    b = x.to(tl.uint32, bitcast=True)
+    return (((b + 0x1000) >> 13) << 13).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def prod(a, b, PREC: tl.constexpr):
-    """a @ b in float32 from float32 operands: at input precision PREC, or ("bf16") rounded to
-    bfloat16 (operands already bfloat16, like the w/u kernel's bfloat16 X, stay as they are);
-    "bf16_emulated" for the interpreter, whose bfloat16 products are wrong (tiles.as_operand): operands
-    cut to bfloat16 (its conversion truncates; the GPU rounds to nearest), float32 products."""
+    """a @ b in float32. PREC: Triton's input precisions ("ieee", "tf32", "tf32x3"; with 16-bit
+    operands only their own dtype matters); "tf32_rn": tf32 from float32 operands rounded to nearest
+    first (the tensor cores read a float32 operand with its low 13 bits dropped, a truncation whose
+    one-signed errors add up along a product: as large as float16's own rounding, docs/kernels.md);
+    "bf16": rounded to bfloat16 (operands already bfloat16, like the w/u kernel's bfloat16 X, stay as
+    they are); "bf16_emulated" for the interpreter, whose bfloat16 products are wrong
+    (tiles.as_operand): operands cut to bfloat16 (its conversion truncates; the GPU rounds to
+    nearest), float32 products."""
     if PREC == "bf16":  # one return: the compiler visits code after a constexpr-if's return
         c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     elif PREC == "bf16_emulated":
         c = tl.dot(as_operand(a, tl.bfloat16, True), as_operand(b, tl.bfloat16, True), input_precision="ieee")
+    elif PREC == "tf32_rn":
+        c = tl.dot(_tf32_operand(a), _tf32_operand(b), input_precision="tf32")
     else:
         c = tl.dot(a, b, input_precision=PREC)
     return c
+
+
+@triton.jit
+def _tf32_operand(x):
+    """A tf32 product's operand: float32 rounded to nearest, 16-bit dtypes (exact in tf32) as they are."""
+    if x.dtype == tl.float32:
+        y = round_tf32(x)
+    else:
+        y = x
+    return y
 
 
 @triton.jit
