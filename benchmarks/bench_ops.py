@@ -289,7 +289,9 @@ def bench_backward(cases, done=None):
 
 
 DECODE = [(n, h, 32) for h in (32, 16) for n in (1, 16, 64, 256, 512)]
-DECODE_LAUNCH = [(16, 1), (32, 4), (32, 2), (64, 4), (64, 8), (16, 2), (128, 8), (8, 1), (32, 1), (64, 2), (128, 4)]  # (Tuning.decode_bv, decode_warps), N=256 H=32
+DECODE_POOLS = (torch.float32, torch.bfloat16)
+DECODE_LAUNCH = [(16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (16, 2), (8, 1)]  # (decode_bv, decode_warps)
+DECODE_ERROR_STEPS = 64
 
 
 def _graph_ms(call):
@@ -313,78 +315,121 @@ def _graph_ms(call):
         return None
 
 
-def _decode_inputs(N, H, HV, K=128):
-    torch.manual_seed(0)
+def _host_us(call, n=2000):
+    """Host time per call in microseconds: n calls issued back to back (the GPU keeps up with one
+    token of one sequence), the clock read before the final synchronisation."""
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def _decode_inputs(N, H, HV, K=128, pool_dtype=torch.float32, seed=0, device="cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
     dt = torch.bfloat16
-    q, k = (torch.randn(N, 1, H, K, device="cuda", dtype=dt) for _ in range(2))
-    v = torch.randn(N, 1, HV, K, device="cuda", dtype=dt)
-    g = torch.randn(N, 1, HV, K, device="cuda", dtype=dt)
-    beta = torch.randn(N, 1, HV, device="cuda", dtype=dt)
-    kw = dict(A_log=torch.rand(HV, device="cuda"), dt_bias=torch.randn(HV * K, device="cuda"),
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    q, k = (rnd(N, 1, H, K).to(dt) for _ in range(2))
+    v, g = (rnd(N, 1, HV, K).to(dt) for _ in range(2))
+    beta = rnd(N, 1, HV).to(dt)
+    kw = dict(A_log=torch.log(1 + 15 * torch.rand(HV, device=device, generator=gen)), dt_bias=0.1 * rnd(HV * K),
               use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-    pool = torch.randn(2 * N, HV, K, K, device="cuda")
-    slots = torch.randperm(2 * N, device="cuda")[:N]
+    pool = (0.1 * rnd(2 * N, HV, K, K)).to(pool_dtype)
+    slots = torch.randperm(2 * N, device=device, generator=gen)[:N]
     return (q, k, v, g, beta), kw, pool, slots
 
 
+def decode_pool_error(pool_dtype, N=64, H=16, HV=16, K=128, steps=DECODE_ERROR_STEPS, device="cuda"):
+    """Relative RMS error of the outputs of ``steps`` decode steps on a pool of ``pool_dtype``, and
+    of the final states, against the float64 per-token reference run from the same start."""
+    import fastkda
+    from fastkda.testing import reference, rel_rms
+
+    _, kw, pool, slots = _decode_inputs(N, H, HV, K, pool_dtype, device=device)
+    start = pool[slots].double()
+    outs, toks = [], []
+    for t in range(steps):
+        x, _, _, _ = _decode_inputs(N, H, HV, K, seed=1 + t, device=device)
+        toks.append(x)
+        with torch.inference_mode():
+            o, _ = fastkda.fused_recurrent_kda(*x, initial_state=pool, ssm_state_indices=slots, inplace_final_state=True,
+                                               **kw)
+        outs.append(o)
+    seq = [torch.cat([tk[i] for tk in toks], 1) for i in range(5)]  # [N, steps, ...]
+    ref = dict(zip(("q", "k", "v", "g", "beta"), (t.double() for t in seq)))
+    o_ref, s_ref = reference({**ref, **{n: (t.double() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()},
+                              "initial_state": start, "output_final_state": True})
+    return {"o": rel_rms(torch.cat(outs, 1), o_ref), "state": rel_rms(pool[slots], s_ref), "steps": steps}
+
+
 def bench_decode(cases):
-    """One token for each of N sequences on a float32 pool: fastkda in place on the pool slots,
-    fla-core from and to per-sequence states (the same bytes: read and write every state). Timed
-    eagerly and as CUDA-graph replays."""
+    """One token for each of N sequences: fastkda in place on pool slots (float32 and bfloat16
+    pools), fla-core from and to per-sequence float32 states (the same bytes as fastkda's float32
+    pool). Graph replays (as serving engines run decoding), eager calls, host time per call, the
+    decode kernel's launch options, and the 16-bit pool's error."""
     import triton.testing as tt
 
     import fastkda
     from fastkda.backends.triton.plan import tuned
+    from fastkda.testing import rel_rms
 
     impls = _with_fla({"fastkda": fastkda.fused_recurrent_kda}, "fused_recurrent_kda")
     rows, K = [], 128
     for N, H, HV in cases:
-        x, kw, pool, slots = _decode_inputs(N, H, HV, K)
-        h0 = pool[:N].clone()
         row = {"N": N, "H": H, "HV": HV}
-        state_bytes = 2 * N * HV * K * K * 4  # read + write every state
         for lib, fn in impls.items():
-            if lib == "fastkda":
-                call = lambda: fn(*x, initial_state=pool, ssm_state_indices=slots, inplace_final_state=True, **kw)  # noqa: E731
-            else:
-                call = lambda: fn(*x, initial_state=h0, output_final_state=True, **kw)  # noqa: E731
-            with torch.inference_mode():
-                call()
-                ms = tt.do_bench(call, warmup=25, rep=200, return_mode="median")
-                ms_g = _graph_ms(call)
-                ms_async = None
-                if lib == "fastkda":  # eager without reading the index check back (no synchronisation)
-                    ms_async = tt.do_bench(lambda: fn(*x, initial_state=pool, ssm_state_indices=slots,
-                                                      inplace_final_state=True, raise_on_bad_index=False, **kw),
-                                           warmup=25, rep=200, return_mode="median")
-            row[lib] = {"ms": ms, "tbps": state_bytes / ms / 1e9, "graph_ms": ms_g,
-                        "graph_tbps": state_bytes / ms_g / 1e9 if ms_g else None, "ms_async": ms_async}
-            print(f"decode N={N:4d} H={H} HV={HV} {lib:8s} eager {ms:.4f} ms  "
-                  f"{'' if ms_async is None else f'(no read-back {ms_async:.4f} ms)  '}graph {ms_g or float('nan'):.4f} ms  "
-                  f"{state_bytes / (ms_g or ms) / 1e9:.2f} TB/s", flush=True)
+            for pool_dtype in (DECODE_POOLS if lib == "fastkda" else DECODE_POOLS[:1]):
+                x, kw, pool, slots = _decode_inputs(N, H, HV, K, pool_dtype)
+                if lib == "fastkda":
+                    call = lambda: fn(*x, initial_state=pool, ssm_state_indices=slots, inplace_final_state=True, **kw)  # noqa: E731
+                else:
+                    h0 = pool[:N].clone()
+                    call = lambda: fn(*x, initial_state=h0, output_final_state=True, **kw)  # noqa: E731
+                state_bytes = 2 * N * HV * K * K * pool.element_size()  # read + write every state
+                with torch.inference_mode():
+                    call()
+                    ms = tt.do_bench(call, warmup=25, rep=200, return_mode="median")
+                    ms_g = _graph_ms(call)
+                    host = _host_us(call) if N == 1 else None
+                key = lib if pool_dtype == torch.float32 else f"{lib} {str(pool_dtype)[6:]}"
+                row[key] = {"ms": ms, "graph_ms": ms_g, "graph_tbps": state_bytes / ms_g / 1e9 if ms_g else None,
+                            "host_us": host}
+                print(f"decode N={N:4d} H={H} HV={HV} {key:16s} eager {ms:.4f} ms  graph {ms_g or float('nan'):.4f} ms  "
+                      f"{state_bytes / (ms_g or ms) / 1e9:.2f} TB/s" + (f"  host {host:.1f} us/call" if host else ""),
+                      flush=True)
         rows.append(row)
     sweep = []
-    x, kw, pool, slots = _decode_inputs(256, 32, 32, K)
+    for pool_dtype in DECODE_POOLS:
+        x, kw, pool, slots = _decode_inputs(256, 32, 32, K, pool_dtype)
 
-    def decode(state):
-        return fastkda.fused_recurrent_kda(*x, initial_state=state, ssm_state_indices=slots, inplace_final_state=True, **kw)
+        def decode(state):
+            return fastkda.fused_recurrent_kda(*x, initial_state=state, ssm_state_indices=slots,
+                                               inplace_final_state=True, **kw)
 
-    from fastkda.testing import rel_rms
-
-    with torch.inference_mode():
-        base = pool.clone()  # timing below updates `pool` in place: every check starts from `pool0`
-        pool0 = pool.clone()
-        o_base, _ = decode(base)  # the default launch: every other one must give the same numbers
-        for bv, warps in DECODE_LAUNCH:
-            with tuned(decode_bv=bv, decode_warps=warps):
-                state = pool0.clone()
-                o, _ = decode(state)
-                err = max(rel_rms(o, o_base), rel_rms(state[slots], base[slots]))
-                ms_g = _graph_ms(lambda: decode(pool))
-            sweep.append({"BV": bv, "warps": warps, "graph_ms": ms_g, "err_vs_default": err})
-            print(f"decode N=256 H=32 BV={bv} warps={warps}: graph {ms_g or float('nan'):.4f} ms  "
-                  f"(output and states vs the default launch: {err:.1e})", flush=True)
-    return {"rows": rows, "launch_sweep": sweep}
+        with torch.inference_mode():
+            base = pool.clone()  # timing below updates `pool` in place: every check starts from `pool0`
+            pool0 = pool.clone()
+            o_base, _ = decode(base)  # the default launch: every other one must give the same numbers
+            for bv, warps in DECODE_LAUNCH:
+                with tuned(decode_bv=bv, decode_bv_16bit=bv, decode_warps=warps):
+                    state = pool0.clone()
+                    o, _ = decode(state)
+                    err = max(rel_rms(o, o_base), rel_rms(state[slots], base[slots]))
+                    ms_g = _graph_ms(lambda: decode(pool))
+                pool_name = str(pool_dtype)[6:]
+                sweep.append({"pool": pool_name, "BV": bv, "warps": warps, "graph_ms": ms_g, "err_vs_default": err})
+                print(f"decode N=256 H=32 {pool_name} pool BV={bv} warps={warps}: graph {ms_g or float('nan'):.4f} ms  "
+                      f"(output and states vs the default launch: {err:.1e})", flush=True)
+    errors = {str(dt)[6:]: decode_pool_error(dt) for dt in DECODE_POOLS}
+    print("decode pool error vs float64:", errors, flush=True)
+    return {"rows": rows, "launch_sweep": sweep, "pool_error": errors}
 
 
 def run(args):
@@ -485,37 +530,46 @@ def render_decode(res):
     rows = res["suites"].get("decode")
     if not rows:
         return
-    sweep = rows.get("launch_sweep", []) if isinstance(rows, dict) else []
-    rows = rows["rows"] if isinstance(rows, dict) else rows
+    sweep, errors, rows = rows.get("launch_sweep", []), rows.get("pool_error"), rows["rows"]
     bw = res["copy_tbps"]
     md = [f"{res['env']}, fla-core {res.get('fla_version')}; copy bandwidth {bw:.2f} TB/s.", "",
-          "One token for each of N sequences, K=V=128, bf16 inputs, float32 states, gate, l2norm and beta "
-          "sigmoid in the kernel. fastkda updates a pool in place through `ssm_state_indices`; fla-core reads "
-          "and writes per-sequence states (the same bytes). TB/s counts the states read and written. "
-          "\"eager\" includes the host's work per call: fastkda reads its device-side index check back (one "
-          "synchronisation) unless a CUDA graph is being captured; \"eager async\" is fastkda called with "
-          "`raise_on_bad_index=False`, which never synchronises. \"graph\" replays the call from a CUDA graph, as "
-          "serving engines do. Ratios are fla time / fastkda time.", "",
-          "| N | H / HV | fastkda eager ms | fastkda eager async ms | fla eager ms | async ratio | fastkda graph ms | "
-          "fla graph ms | graph ratio | fastkda graph TB/s (% of copy) |",
-          "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "One token for each of N sequences, K=V=128, bf16 inputs, gate, l2norm and beta sigmoid in the kernel. "
+          "fastkda updates a pool in place through `ssm_state_indices` (float32 or bfloat16 states; float32 "
+          "arithmetic either way); fla-core reads and writes per-sequence float32 states (the bytes of fastkda's "
+          "float32 pool). \"graph\" replays the call from a CUDA graph, as serving engines do; \"eager\" calls it "
+          "from Python (neither synchronises with the host). TB/s counts the states read and written, in the "
+          "pool's dtype. Ratios are fla-core's time over fastkda's.", "",
+          "| N | H / HV | fastkda graph ms | TB/s (% of copy) | fla graph ms | graph ratio | fastkda eager ms | "
+          "fla eager ms | bf16 pool graph ms | bf16 TB/s (% of copy) | bf16 vs float32 pool |",
+          "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(x, fmt=".4f"):
         return format(x, fmt) if x is not None else "-"
 
+    def share(r):
+        tb = r.get("graph_tbps")
+        return f"{tb:.2f} ({100 * tb / bw:.0f}%)" if tb else "-"
+
+    hosts = []
     for r in rows:
-        a, b = r["fastkda"], r.get("fla") or {}
-        ga, gb = a.get("graph_ms"), b.get("graph_ms")
-        ratio = f"{gb / ga:.2f}x" if ga and gb else "-"
-        aa, eb = a.get("ms_async"), b.get("ms")
-        ratio_async = f"{eb / aa:.2f}x" if aa and eb else "-"
-        tb = a.get("graph_tbps")
-        share = f"{tb:.2f} ({100 * tb / bw:.0f}%)" if tb else "-"
-        md.append(f"| {r['N']} | {r['H']} / {r['HV']} | {f(a['ms'])} | {f(aa)} | {f(eb)} | {ratio_async} | {f(ga)} | "
-                  f"{f(gb)} | {ratio} | {share} |")
-    if sweep:
-        md += ["", "Launch options of the decode kernel at N=256, H=32 (graph replays): " + ", ".join(
-            f"BV={c['BV']} {c['warps']} warps {f(c['graph_ms'])} ms" for c in sweep) + "."]
+        a, b, h = r["fastkda"], r.get("fla") or {}, r.get("fastkda bfloat16") or {}
+        ga, gb, gh = a.get("graph_ms"), b.get("graph_ms"), h.get("graph_ms")
+        md.append(f"| {r['N']} | {r['H']} / {r['HV']} | {f(ga)} | {share(a)} | {f(gb)} | "
+                  f"{f'{gb / ga:.2f}x' if ga and gb else '-'} | {f(a.get('ms'))} | {f(b.get('ms'))} | {f(gh)} | "
+                  f"{share(h)} | {f'{ga / gh:.2f}x' if ga and gh else '-'} |")
+        if a.get("host_us"):
+            hosts.append(f"H={r['H']}: fastkda {a['host_us']:.1f} us (bf16 pool {f(h.get('host_us'), '.1f')} us), "
+                         f"fla-core {f(b.get('host_us'), '.1f')} us")
+    if hosts:
+        md += ["", "Host time per eager call at N = 1 (calls issued back to back): " + "; ".join(hosts) + "."]
+    if errors:
+        md += ["", f"Error of a pool's dtype: {next(iter(errors.values()))['steps']} decode steps of N=64 sequences, "
+               "H=HV=16, against the float64 per-token reference from the same start (relative RMS): " + "; ".join(
+                   f"{dt} pool: outputs {e['o']:.1e}, final states {e['state']:.1e}" for dt, e in errors.items()) + "."]
+    for pool in dict.fromkeys(c.get("pool", "float32") for c in sweep):
+        md += ["", f"Launch options of the decode kernel at N=256, H=32, {pool} pool (graph replays): " + ", ".join(
+            f"BV={c['BV']} {c['warps']} warps {f(c['graph_ms'])} ms" for c in sweep if c.get("pool", "float32") == pool)
+            + "."]
     write_section("gpu-decode", "\n".join(md))
 
 

@@ -33,10 +33,17 @@ def test_bench_ops_render(tmp_path, sections, monkeypatch):
                                                                  "peak_gib": 3.6},
                       "fla": {"ms_fwd_bwd": 8.0, "ms_bwd": 6.0, "first_s": 100.0, "peak_gib": 3.8}}],
         "decode": {"rows": [{"N": 256, "H": 32, "HV": 32,
-                             "fastkda": {"ms": 0.5, "tbps": 2.0, "graph_ms": 0.4, "graph_tbps": 2.7, "ms_async": 0.32},
-                             "fla": {"ms": 0.4, "tbps": 2.7, "graph_ms": 0.44, "graph_tbps": 2.4}}],
+                             "fastkda": {"ms": 0.5, "graph_ms": 0.4, "graph_tbps": 2.7, "host_us": None},
+                             "fastkda bfloat16": {"ms": 0.3, "graph_ms": 0.2, "graph_tbps": 2.8, "host_us": None},
+                             "fla": {"ms": 0.4, "graph_ms": 0.44, "graph_tbps": 2.4, "host_us": None}},
+                            {"N": 1, "H": 32, "HV": 32,
+                             "fastkda": {"ms": 0.01, "graph_ms": 0.008, "graph_tbps": 0.5, "host_us": 21.5},
+                             "fastkda bfloat16": {"ms": 0.01, "graph_ms": None, "graph_tbps": None, "host_us": 22.0},
+                             "fla": {"ms": 0.012, "graph_ms": 0.009, "graph_tbps": 0.4, "host_us": 30.25}}],
                    "launch_sweep": [{"BV": 16, "warps": 1, "graph_ms": 0.36, "err_vs_default": 0.0},
-                                    {"BV": 32, "warps": 4, "graph_ms": None, "err_vs_default": 1e-7}]},
+                                    {"BV": 32, "warps": 4, "graph_ms": None, "err_vs_default": 1e-7}],
+                   "pool_error": {"float32": {"o": 1e-6, "state": 2e-6, "steps": 64},
+                                  "bfloat16": {"o": 3e-3, "state": 4e-3, "steps": 64}}},
     }}
     path = tmp_path / "r.json"
     path.write_text(json.dumps(res))
@@ -48,8 +55,13 @@ def test_bench_ops_render(tmp_path, sections, monkeypatch):
     assert "| B1 T8192 H64 | 12.0 / 30.5 |" in sections["gpu-forward"]
     assert "| B1 T8192 H64 softplus | 9.2 / - |" in sections["gpu-forward"]
     assert "| B1 T8192 H64 safe | 10.00 / 8.00 | 0.80x |" in sections["gpu-backward"]
-    assert "| 256 | 32 / 32 | 0.5000 | 0.3200 | 0.4000 | 1.25x | 0.4000 | 0.4400 | 1.10x |" in sections["gpu-decode"]
-    assert "BV=16 1 warps 0.3600 ms" in sections["gpu-decode"] and "BV=32 4 warps - ms" in sections["gpu-decode"]
+    md = sections["gpu-decode"]
+    assert ("| 256 | 32 / 32 | 0.4000 | 2.70 (68%) | 0.4400 | 1.10x | 0.5000 | 0.4000 | 0.2000 | 2.80 (70%) | 2.00x |"
+            in md), md
+    assert "| 1 | 32 / 32 | 0.0080 | 0.50 (12%) | 0.0090 | 1.12x | 0.0100 | 0.0120 | - | - | - |" in md, md
+    assert "H=32: fastkda 21.5 us (bf16 pool 22.0 us), fla-core 30.2 us" in md, md
+    assert "bfloat16 pool: outputs 3.0e-03, final states 4.0e-03" in md and "64 decode steps" in md
+    assert "BV=16 1 warps 0.3600 ms" in md and "BV=32 4 warps - ms" in md
 
 
 def test_bench_cp_render(tmp_path, sections, monkeypatch):

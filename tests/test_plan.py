@@ -189,3 +189,25 @@ def test_explain_shows_the_plan():
         xt = {**x, "q": x["q"].clone().requires_grad_(True)}
         assert "backward chunk" in fastkda.explain(fastkda.chunk_kda, **xt).plan
         assert "chunk plan" in str(e)
+
+
+@pytest.mark.parametrize("K,state_bytes,bv,warps", [(128, 4, 16, 1), (64, 4, 16, 1), (128, 2, 32, 1), (256, 4, 32, 4),
+                                                    (256, 2, 32, 4)])
+def test_decode_plan(K, state_bytes, bv, warps):
+    """The decode launch: 64-byte row segments of the state per program (16 float32 columns, 32
+    of a 16-bit pool), one warp; keys beyond 128 the wide launch."""
+    p = P.decode_plan(K, state_bytes, P.Tuning())
+    assert (p.BK, p.BV, p.launch.warps) == (P.pow2(K), bv, warps)
+
+
+def test_explain_shows_the_decode_plan():
+    """``fastkda.explain`` of a decode call on a bfloat16 pool prints the launch the pool's dtype takes."""
+    import fastkda
+
+    x = make_inputs(Case(B=3, T=1, K=64, V=64, gate="softplus", dtype=torch.bfloat16, initial_state=False),
+                    device=DEVICE)
+    pool = torch.zeros(5, x["v"].shape[2], x["q"].shape[3], x["v"].shape[3], device=DEVICE, dtype=torch.bfloat16)
+    with fastkda.use_backend("triton"):
+        plan = fastkda.explain(fastkda.fused_recurrent_kda, **x, initial_state=pool,
+                               ssm_state_indices=torch.tensor([0, 2, -1], device=DEVICE), inplace_final_state=True).plan
+    assert "decode plan: 32 value columns per program (1 warp), slot check" in plan, plan

@@ -272,17 +272,26 @@ def _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values: 
     return KDAShape(B, T, H, HV, K, V, N), scale, cu_host
 
 
-def _state(name: str, h: torch.Tensor, lead: int | None, shape: KDAShape, state_v_first: bool, q: torch.Tensor):
-    """A state tensor [lead, HV, K, V] (or [.., V, K]); lead None accepts any slot count."""
+# dtypes of the states the operators read: chunk_kda's float32; fused_recurrent_kda's (a serving
+# engine's pool, cache dtype float32 or bfloat16) read into float32 arithmetic, written back rounded
+STATE_DTYPES = {"chunk": (torch.float32,), "recurrent": (torch.float32, torch.bfloat16)}
+
+
+def _state(name: str, h: torch.Tensor, lead: int | None, shape: KDAShape, state_v_first: bool, q: torch.Tensor,
+           op: str):
+    """A state tensor [lead, HV, K, V] (or [.., V, K]) of operator ``op`` ("chunk" or "recurrent");
+    lead None accepts any slot count."""
     tail = (shape.HV, shape.V, shape.K) if state_v_first else (shape.HV, shape.K, shape.V)
     lead_name = "N" if lead is not None else "num_slots"
     layout = f"[{lead_name}, HV, V, K]" if state_v_first else f"[{lead_name}, HV, K, V]"
     if h.ndim != 4 or tuple(h.shape[1:]) != tail or (lead is not None and h.shape[0] != lead):
         exp = ", ".join(str(d) for d in (lead if lead is not None else lead_name, *tail))
         raise ValueError(f"`{name}` must have shape {layout}=[{exp}] (state_v_first={state_v_first}), got {list(h.shape)}")
-    allowed = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
-    if h.dtype not in allowed:
-        raise ValueError(f"`{name}` must be float32 (states are kept in float32), got {h.dtype}")
+    allowed = STATE_DTYPES[op]
+    if h.dtype not in allowed and not (h.dtype == torch.float64 and q.dtype == torch.float64):
+        what = ("float32" if len(allowed) == 1 else "float32 or bfloat16 (a bfloat16 pool is read into float32 "
+                "arithmetic)")
+        raise ValueError(f"`{name}` must be {what}, got {h.dtype}")
     _same_device(q, **{name: h})
 
 
@@ -436,7 +445,7 @@ def chunk_options(
     _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, use_gate_in_kernel)
     gate = _gate_params(use_gate_in_kernel, A_log, dt_bias, lower_bound, shape.HV, shape.K, q)
     if initial_state is not None:
-        _state("initial_state", _tensor("initial_state", initial_state), shape.N, shape, state_v_first, q)
+        _state("initial_state", _tensor("initial_state", initial_state), shape.N, shape, state_v_first, q, "chunk")
     if return_intermediate_states and not torch.is_inference_mode_enabled():
         raise ValueError("`return_intermediate_states=True` is for inference only: call it inside torch.inference_mode()")
     opts = KDAOptions(
@@ -497,7 +506,7 @@ def recurrent_options(
         raise ValueError("2-D `ssm_state_indices` (speculative decoding) needs `num_accepted_tokens` [N], got None")
     if initial_state is not None:
         h0 = _tensor("initial_state", initial_state)
-        _state("initial_state", h0, None if idx is not None else shape.N, shape, state_v_first, q)
+        _state("initial_state", h0, None if idx is not None else shape.N, shape, state_v_first, q, "recurrent")
         if inplace_final_state and (h0.requires_grad and torch.is_grad_enabled()):
             raise ValueError("`inplace_final_state=True` writes into `initial_state`, which requires grad; detach it or disable grad")
     if inplace_final_state and initial_state is None:

@@ -98,7 +98,8 @@ class Tuning:
     bwd_dg_slice: int = 64
     bwd_qk_rows: int = 16
     # decoding and the elementwise gate kernels
-    decode_bv: int = 16
+    decode_bv: int = 16  # float32 states: 64-byte row segments
+    decode_bv_16bit: int = 32  # 16-bit states: the same 64 bytes per row segment
     decode_warps: int = 1
     decode_wide: tuple[int, int] = (32, 4)  # (BV, warps) for K > 128
     decode_check_rows: int = 256  # sequences per step of the slot check
@@ -472,7 +473,12 @@ class DecodePlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def decode_plan(K: int, tuning: Tuning) -> DecodePlan:
+def decode_plan(K: int, state_bytes: int, tuning: Tuning) -> DecodePlan:
+    """The decode launch for keys of K and states of ``state_bytes`` per element (4, or 2 for a
+    16-bit pool)."""
     BK = pow2(K)
-    BV, warps = (tuning.decode_bv, tuning.decode_warps) if BK <= 128 else tuning.decode_wide
+    if BK > 128:
+        BV, warps = tuning.decode_wide
+    else:
+        BV, warps = (tuning.decode_bv if state_bytes >= 4 else tuning.decode_bv_16bit), tuning.decode_warps
     return DecodePlan(BK, BV, Launch(warps, None), tuning.decode_check_rows, tuning.decode_slot_check)

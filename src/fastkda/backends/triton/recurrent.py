@@ -275,11 +275,11 @@ def _state_strides(h0, v_first: bool) -> tuple[dict, int]:
 def recurrent_forward(opts, x):
     s = opts.shape
     B, T, H, HV, K, V, N = s.B, s.T, s.H, s.HV, s.K, s.V, s.N
-    plan = decode_plan(K, current_tuning())
     x = contiguous_inputs(x, keep=("initial_state",))  # the state is the caller's tensor, indexed by its strides
     q, k, v, g, beta = x.q, x.k, x.v, x.g, x.beta
     dev = q.device
     h0 = x.initial_state
+    plan = decode_plan(K, h0.element_size() if h0 is not None else 4, current_tuning())
     o = new_empty(B, T, HV, V, dtype=v.dtype, device=dev)
     ht = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev) if (
         opts.output_final_state and not opts.inplace_final_state) else None
