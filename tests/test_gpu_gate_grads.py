@@ -2,8 +2,8 @@
 and at the gates real models start from, bfloat16 and float16, safe and softplus gates, by their
 plain relative RMS error against float64 autograd, per tensor. Every gradient within the dtype's
 budget; and no gradient (nor the output) less accurate than fla-core 0.6.0's on the same inputs,
-pooled over the cases and three seeds (one seed's error of a 16-element dA_log varies 4x from seed
-to seed). Under extreme softplus gates (raw inputs of scale 20, A_log = 3), where strong decays
+pooled over the cases and three seeds (one seed's error of a 16-element dA_log varies several-fold
+from seed to seed). Under extreme softplus gates (raw inputs of scale 20, A_log = 3), where strong decays
 make dA_log weigh each token's rounding by |y| in the hundreds, fla-core's gate gradients are 2x-100x
 off: there they are compared on their own. fla-core's errors are measured in the test where it is
 installed, else the tables below (H200, 2026-12-03)."""
@@ -166,11 +166,18 @@ def parity_groups(per_case: dict) -> dict:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fla_parity(dtype):
-    with use_backend("triton"):
-        ours = parity_groups(parity_errors(chunk_kda, dtype))
+    """The output and every gradient no less accurate than fla-core 0.6.0's on the same inputs
+    (parity_groups' pooled errors). Without fla-core, its errors from the table, on the GPU they
+    were measured on only (another GPU's kernels may round differently)."""
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda
     except ImportError:
+        fla_chunk_kda = None
+        if "H200" not in torch.cuda.get_device_name():
+            pytest.skip("fla-core not installed, and its errors were tabled on an H200 only")
+    with use_backend("triton"):
+        ours = parity_groups(parity_errors(chunk_kda, dtype))
+    if fla_chunk_kda is None:
         theirs = FLA_POOLED[dtype]
     else:
         theirs = parity_groups(parity_errors(fla_chunk_kda, dtype))

@@ -191,12 +191,12 @@ def test_explain_shows_the_plan():
         assert "chunk plan" in str(e)
 
 
-@pytest.mark.parametrize("K,state_bytes,bv,warps", [(128, 4, 16, 1), (64, 4, 16, 1), (128, 2, 32, 1), (256, 4, 32, 4),
-                                                    (256, 2, 32, 4)])
-def test_decode_plan(K, state_bytes, bv, warps):
+@pytest.mark.parametrize("K,V,state_bytes,bv,warps", [(128, 128, 4, 16, 1), (64, 64, 4, 16, 1), (128, 128, 2, 32, 1),
+                                                      (128, 16, 2, 16, 1), (256, 256, 4, 32, 4), (256, 128, 2, 32, 4)])
+def test_decode_plan(K, V, state_bytes, bv, warps):
     """The decode launch: 64-byte row segments of the state per program (16 float32 columns, 32
-    of a 16-bit pool), one warp; keys beyond 128 the wide launch."""
-    p = P.decode_plan(K, state_bytes, P.Tuning())
+    of a bfloat16 pool; no more than V), one warp; keys beyond 128 the wide launch."""
+    p = P.decode_plan(K, V, state_bytes, P.Tuning())
     assert (p.BK, p.BV, p.launch.warps) == (P.pow2(K), bv, warps)
 
 

@@ -181,8 +181,9 @@ def fused_recurrent_kda(
             ``ssm_state_indices``; with speculative decoding the state after token t goes to slot
             ``ssm_state_indices[n, t]``). The returned final state is then that tensor. A state
             whose elements overlap in memory (an expanded view) is a ``ValueError``.
-        initial_state: as :func:`chunk_kda`'s, or bfloat16 (a serving engine's pool of that cache
-            dtype): read into float32, updated in float32, written back rounded to nearest.
+        initial_state: unlike :func:`chunk_kda`'s, float32 or bfloat16 (a serving engine's pool
+            of that cache dtype): read into float32, updated in float32, written back rounded to
+            nearest; a returned final state other than the pool itself is float32.
         raise_on_bad_index: what a bad pool index (a slot outside ``[0, num_slots)`` other than
             -1, a ``num_accepted_tokens`` outside ``[1, 1 + num_draft]``, more tokens than columns,
             a slot shared by two sequences of an in-place call) does on the Triton backend, which

@@ -19,7 +19,7 @@ import torch
 from ... import platform
 from ..registry import Backend, forced_backend, needs_grad
 from .function import chunk_forward, chunk_kda_autograd, chunk_kda_vjp, plan_of
-from .plan import current_tuning, decode_plan, pow2
+from .plan import current_tuning, decode_plan
 from .recurrent import recurrent_forward
 from . import gate as gate_kernels
 
@@ -66,8 +66,8 @@ class TritonBackend(Backend):
             return plan_of(opts, inputs, train=needs_grad(inputs)).describe()
         if op == "fused_recurrent_kda":
             h0 = inputs.initial_state
-            p = decode_plan(opts.shape.K, h0.element_size() if h0 is not None else 4, current_tuning())
-            return (f"decode plan: {min(pow2(opts.shape.V), p.BV)} value columns per program ({p.launch.warps} warp"
+            p = decode_plan(opts.shape.K, opts.shape.V, h0.element_size() if h0 is not None else 4, current_tuning())
+            return (f"decode plan: {p.BV} value columns per program ({p.launch.warps} warp"
                     f"{'' if p.launch.warps == 1 else 's'})"
                     + (", slot check" if opts.pool and p.slot_check else ""))
         return None

@@ -99,7 +99,7 @@ class Tuning:
     bwd_qk_rows: int = 16
     # decoding and the elementwise gate kernels
     decode_bv: int = 16  # float32 states: 64-byte row segments
-    decode_bv_16bit: int = 32  # 16-bit states: the same 64 bytes per row segment
+    decode_bv_bf16: int = 32  # bfloat16 states: the same 64 bytes per row segment
     decode_warps: int = 1
     decode_wide: tuple[int, int] = (32, 4)  # (BV, warps) for K > 128
     decode_check_rows: int = 256  # sequences per step of the slot check
@@ -177,9 +177,9 @@ class Dot(NamedTuple):
 
 
 def dot_for(dtype: torch.dtype, interpret: bool) -> Dot:
-    """bfloat16 inputs: tf32 products of float32 operands as the tensor cores read them; float16
-    inputs: rounded to nearest first (tiles.prod's "tf32_rn"; the truncation costs float16 up to 2x
-    in accuracy); float32 inputs: full precision."""
+    """bfloat16 inputs: tf32 products of float32 operands as the tensor cores read them (truncated);
+    float16 inputs, whose own rounding is as fine as tf32's: rounded to nearest first (tiles.prod's
+    "tf32_rn"); float32 inputs: full precision."""
     if dtype == torch.bfloat16:
         return Dot(tl.bfloat16, "tf32", interpret)
     if dtype == torch.float16:
@@ -473,12 +473,13 @@ class DecodePlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def decode_plan(K: int, state_bytes: int, tuning: Tuning) -> DecodePlan:
-    """The decode launch for keys of K and states of ``state_bytes`` per element (4, or 2 for a
-    16-bit pool)."""
+def decode_plan(K: int, V: int, state_bytes: int, tuning: Tuning) -> DecodePlan:
+    """The decode launch for K x V states of ``state_bytes`` per element (4, or 2 for a bfloat16
+    pool)."""
     BK = pow2(K)
     if BK > 128:
         BV, warps = tuning.decode_wide
     else:
-        BV, warps = (tuning.decode_bv if state_bytes >= 4 else tuning.decode_bv_16bit), tuning.decode_warps
+        BV, warps = (tuning.decode_bv if state_bytes >= 4 else tuning.decode_bv_bf16), tuning.decode_warps
+    BV = min(pow2(V), BV)
     return DecodePlan(BK, BV, Launch(warps, None), tuning.decode_check_rows, tuning.decode_slot_check)

@@ -31,8 +31,6 @@ from ...alloc import new_empty
 from .common import activate_gate, contiguous_inputs, gate_launch, launch, seq_grid, seq_program
 from .plan import current_tuning, decode_plan, pow2
 
-# value columns and warps per program: many one-warp programs keep the most state loads in flight
-
 # error codes: 0 ok; otherwise kind + ERR_BASE * (sequence index)
 ERR_SLOT, ERR_ACCEPTED, ERR_TOKENS, ERR_SHARED = 1, 2, 3, 4
 ERR_BASE = 8
@@ -279,7 +277,7 @@ def recurrent_forward(opts, x):
     q, k, v, g, beta = x.q, x.k, x.v, x.g, x.beta
     dev = q.device
     h0 = x.initial_state
-    plan = decode_plan(K, h0.element_size() if h0 is not None else 4, current_tuning())
+    plan = decode_plan(K, V, h0.element_size() if h0 is not None else 4, current_tuning())
     o = new_empty(B, T, HV, V, dtype=v.dtype, device=dev)
     ht = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev) if (
         opts.output_final_state and not opts.inplace_final_state) else None
@@ -298,7 +296,7 @@ def recurrent_forward(opts, x):
                    idx, acc, x.cu_seqlens, scratch, sticky, N, T, num_slots, idx.stride(0), cols, BC=pow2(cols, 1),
                    BN=plan.check_rows, SPEC=opts.spec_decode, IS_VARLEN=x.cu_seqlens is not None, KEEP=not raises,
                    UNIQUE=unique)
-    BK, BV = plan.BK, min(pow2(V), plan.BV)
+    BK, BV = plan.BK, plan.BV
     strides, h_tile = _state_strides(h0, opts.state_v_first)
     if N * HV > 0:
         launch(kda_recurrent_kernel, seq_grid(V, BV, N * HV),

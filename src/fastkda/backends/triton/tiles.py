@@ -146,9 +146,11 @@ def store_block(x, b_x, row, col, C: tl.constexpr, o_i):
 
 @triton.jit
 def round_tf32(x):
-    """float32 x rounded to the nearest tf32 (10 mantissa bits, ties away from zero)."""
+    """float32 x rounded to the nearest tf32 (10 mantissa bits, ties away from zero); infinities and
+    NaNs (exponent bits all ones) pass unchanged: a carry would turn a NaN into a number."""
     b = x.to(tl.uint32, bitcast=True)
-    return (((b + 0x1000) >> 13) << 13).to(tl.float32, bitcast=True)
+    r = ((b + 0x1000) >> 13) << 13
+    return tl.where((b & 0x7F800000) == 0x7F800000, b, r).to(tl.float32, bitcast=True)
 
 
 @triton.jit
