@@ -288,7 +288,8 @@ def bench_backward(cases, done=None):
     return rows
 
 
-DECODE = [(n, h, 32) for h in (32, 16) for n in (1, 16, 64, 256, 512)]
+DECODE = ([(n, h, 32, 128) for h in (32, 16) for n in (1, 16, 64, 256, 512)]  # (N, H, HV, K = V)
+          + [(n, h, 32, 64) for h in (32, 16) for n in (1024, 2048)])
 DECODE_POOLS = (torch.float32, torch.bfloat16)
 DECODE_LAUNCH = [(16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (16, 2), (8, 1)]  # (decode_bv, decode_warps)
 DECODE_ERROR_STEPS = 64
@@ -381,9 +382,9 @@ def bench_decode(cases):
     from fastkda.testing import rel_rms
 
     impls = _with_fla({"fastkda": fastkda.fused_recurrent_kda}, "fused_recurrent_kda")
-    rows, K = [], 128
-    for N, H, HV in cases:
-        row = {"N": N, "H": H, "HV": HV}
+    rows = []
+    for N, H, HV, K in cases:
+        row = {"N": N, "H": H, "HV": HV, "K": K}
         for lib, fn in impls.items():
             for pool_dtype in (DECODE_POOLS if lib == "fastkda" else DECODE_POOLS[:1]):
                 x, kw, pool, slots = _decode_inputs(N, H, HV, K, pool_dtype)
@@ -401,11 +402,11 @@ def bench_decode(cases):
                 key = lib if pool_dtype == torch.float32 else f"{lib} {str(pool_dtype)[6:]}"
                 row[key] = {"ms": ms, "graph_ms": ms_g, "graph_tbps": state_bytes / ms_g / 1e9 if ms_g else None,
                             "host_us": host}
-                print(f"decode N={N:4d} H={H} HV={HV} {key:16s} eager {ms:.4f} ms  graph {ms_g or float('nan'):.4f} ms  "
+                print(f"decode N={N:4d} H={H} HV={HV} K={K} {key:16s} eager {ms:.4f} ms  graph {ms_g or float('nan'):.4f} ms  "
                       f"{state_bytes / (ms_g or ms) / 1e9:.2f} TB/s" + (f"  host {host:.1f} us/call" if host else ""),
                       flush=True)
         rows.append(row)
-    sweep = []
+    sweep, K = [], 128
     for pool_dtype in DECODE_POOLS:
         x, kw, pool, slots = _decode_inputs(256, 32, 32, K, pool_dtype)
 
@@ -418,14 +419,14 @@ def bench_decode(cases):
             pool0 = pool.clone()
             o_base, _ = decode(base)  # the default launch: every other one must give the same numbers
             for bv, warps in DECODE_LAUNCH:
-                with tuned(decode_bv=bv, decode_bv_bf16=bv, decode_warps=warps):
+                with tuned(decode_bv=bv, decode_bv_bf16=bv, decode_warps=warps, decode_warps_bf16=warps):
                     state = pool0.clone()
                     o, _ = decode(state)
                     err = max(rel_rms(o, o_base), rel_rms(state[slots], base[slots]))
                     ms_g = _graph_ms(lambda: decode(pool))
                 pool_name = str(pool_dtype)[6:]
-                sweep.append({"pool": pool_name, "BV": bv, "warps": warps, "graph_ms": ms_g, "err_vs_default": err})
-                print(f"decode N=256 H=32 {pool_name} pool BV={bv} warps={warps}: graph {ms_g or float('nan'):.4f} ms  "
+                sweep.append({"pool": pool_name, "K": K, "BV": bv, "warps": warps, "graph_ms": ms_g, "err_vs_default": err})
+                print(f"decode N=256 H=32 K={K} {pool_name} pool BV={bv} warps={warps}: graph {ms_g or float('nan'):.4f} ms  "
                       f"(output and states vs the default launch: {err:.1e})", flush=True)
     errors = {str(dt)[6:]: decode_pool_error(dt) for dt in DECODE_POOLS}
     print("decode pool error vs float64:", errors, flush=True)
@@ -535,16 +536,16 @@ def render_decode(res):
     sweep, errors, rows = rows.get("launch_sweep", []), rows.get("pool_error"), rows["rows"]
     bw = res["copy_tbps"]
     md = [f"{res['env']}, fla-core {res.get('fla_version')}; copy bandwidth {bw:.2f} TB/s.", "",
-          "One token for each of N sequences, K=V=128, bf16 inputs, gate, l2norm and beta sigmoid in the kernel. "
+          "One token for each of N sequences, K=V, bf16 inputs, gate, l2norm and beta sigmoid in the kernel. "
           "fastkda updates a pool in place through `ssm_state_indices` (float32 or bfloat16 states; float32 "
           "arithmetic either way); fla-core reads and writes per-sequence float32 states (the bytes of fastkda's "
           "float32 pool). \"graph\" replays the call from a CUDA graph, as serving engines do; \"eager\" calls it "
           "from Python (neither synchronises with the host). TB/s counts the states read and written, in the "
           "pool's dtype. Ratios are fla-core's time over fastkda's; \"bf16 vs float32 pool\" is fastkda's "
           "float32-pool time over its bfloat16-pool time.", "",
-          "| N | H / HV | fastkda graph ms | TB/s (% of copy) | fla graph ms | graph ratio | fastkda eager ms | "
+          "| N | H / HV | K = V | fastkda graph ms | TB/s (% of copy) | fla graph ms | graph ratio | fastkda eager ms | "
           "fla eager ms | bf16 pool graph ms | bf16 TB/s (% of copy) | bf16 vs float32 pool |",
-          "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(x, fmt=".4f"):
         return format(x, fmt) if x is not None else "-"
@@ -557,7 +558,7 @@ def render_decode(res):
     for r in rows:
         a, b, h = r["fastkda"], r.get("fla") or {}, r.get("fastkda bfloat16") or {}
         ga, gb, gh = a.get("graph_ms"), b.get("graph_ms"), h.get("graph_ms")
-        md.append(f"| {r['N']} | {r['H']} / {r['HV']} | {f(ga)} | {share(a)} | {f(gb)} | "
+        md.append(f"| {r['N']} | {r['H']} / {r['HV']} | {r.get('K', 128)} | {f(ga)} | {share(a)} | {f(gb)} | "
                   f"{f'{gb / ga:.2f}x' if ga and gb else '-'} | {f(a.get('ms'))} | {f(b.get('ms'))} | {f(gh)} | "
                   f"{share(h)} | {f'{ga / gh:.2f}x' if ga and gh else '-'} |")
         if a.get("host_us"):
@@ -570,7 +571,9 @@ def render_decode(res):
                "H=HV=16, against the float64 per-token reference from the same start (relative RMS): " + "; ".join(
                    f"{dt} pool: outputs {e['o']:.1e}, final states {e['state']:.1e}" for dt, e in errors.items()) + "."]
     for pool in dict.fromkeys(c.get("pool", "float32") for c in sweep):
-        md += ["", f"Launch options of the decode kernel at N=256, H=32, {pool} pool (graph replays): " + ", ".join(
+        ks = {c.get("K", 128) for c in sweep if c.get("pool", "float32") == pool}
+        md += ["", f"Launch options of the decode kernel at N=256, H=32, K=V={'/'.join(map(str, sorted(ks)))}, "
+               f"{pool} pool (graph replays): " + ", ".join(
             f"BV={c['BV']} {c['warps']} warps {f(c['graph_ms'])} ms" for c in sweep if c.get("pool", "float32") == pool)
             + "."]
     write_section("gpu-decode", "\n".join(md))

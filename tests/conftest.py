@@ -115,6 +115,15 @@ def tune():
         yield lambda **changes: stack.enter_context(tuned(**changes))
 
 
+@pytest.fixture(params=["inline", "kernel"])
+def check_path(request, tune):
+    """Where a Triton pool call checks its indices: in the decode programs (the small calls of
+    these tests) or, with the inline limit at 0, in the check kernel launched first."""
+    if request.param == "kernel":
+        tune(decode_inline_check=0)
+    return request.param
+
+
 @pytest.fixture
 def launch_log():
     """The Triton launches of the test (``common.recorded_launches``), in order."""

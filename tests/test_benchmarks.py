@@ -32,7 +32,7 @@ def test_bench_ops_render(tmp_path, sections, monkeypatch):
         "backward": [{"case": "B1 T8192 H64 safe", "fastkda": {"ms_fwd_bwd": 10.0, "ms_bwd": 8.0, "first_s": 5.0,
                                                                  "peak_gib": 3.6},
                       "fla": {"ms_fwd_bwd": 8.0, "ms_bwd": 6.0, "first_s": 100.0, "peak_gib": 3.8}}],
-        "decode": {"rows": [{"N": 256, "H": 32, "HV": 32,
+        "decode": {"rows": [{"N": 256, "H": 32, "HV": 32, "K": 64,
                              "fastkda": {"ms": 0.5, "graph_ms": 0.4, "graph_tbps": 2.7, "host_us": None},
                              "fastkda bfloat16": {"ms": 0.3, "graph_ms": 0.2, "graph_tbps": 2.8, "host_us": None},
                              "fla": {"ms": 0.4, "graph_ms": 0.44, "graph_tbps": 2.4, "host_us": None}},
@@ -57,9 +57,9 @@ def test_bench_ops_render(tmp_path, sections, monkeypatch):
     assert "| B1 T8192 H64 softplus | 9.2 / - |" in sections["gpu-forward"]
     assert "| B1 T8192 H64 safe | 10.00 / 8.00 | 0.80x |" in sections["gpu-backward"]
     md = sections["gpu-decode"]
-    assert ("| 256 | 32 / 32 | 0.4000 | 2.70 (68%) | 0.4400 | 1.10x | 0.5000 | 0.4000 | 0.2000 | 2.80 (70%) | 2.00x |"
+    assert ("| 256 | 32 / 32 | 64 | 0.4000 | 2.70 (68%) | 0.4400 | 1.10x | 0.5000 | 0.4000 | 0.2000 | 2.80 (70%) | 2.00x |"
             in md), md
-    assert "| 1 | 32 / 32 | 0.0080 | 0.50 (12%) | 0.0090 | 1.12x | 0.0100 | 0.0120 | - | - | - |" in md, md
+    assert "| 1 | 32 / 32 | 128 | 0.0080 | 0.50 (12%) | 0.0090 | 1.12x | 0.0100 | 0.0120 | - | - | - |" in md, md
     assert "H=32: fastkda 21.5 us (bf16 pool 22.0 us), fla-core 30.2 us" in md, md
     assert "bfloat16 pool: outputs 3.0e-03, final states 4.0e-03" in md and "64 decode steps" in md
     assert "BV=16 1 warps 0.3600 ms" in md and "BV=32 4 warps - ms" in md and "float32 pool (graph replays)" in md

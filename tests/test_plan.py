@@ -191,13 +191,32 @@ def test_explain_shows_the_plan():
         assert "chunk plan" in str(e)
 
 
-@pytest.mark.parametrize("K,V,state_bytes,bv,warps", [(128, 128, 4, 16, 1), (64, 64, 4, 16, 1), (128, 128, 2, 32, 1),
-                                                      (128, 16, 2, 16, 1), (256, 256, 4, 32, 4), (256, 128, 2, 32, 4)])
+@pytest.mark.parametrize("K,V,state_bytes,bv,warps", [(128, 128, 4, 64, 2), (64, 64, 4, 64, 2), (64, 32, 4, 32, 2),
+                                                      (128, 128, 2, 32, 1), (128, 16, 2, 16, 1), (256, 256, 4, 32, 4),
+                                                      (256, 128, 2, 32, 4)])
 def test_decode_plan(K, V, state_bytes, bv, warps):
-    """The decode launch: 64-byte row segments of the state per program (16 float32 columns, 32
-    of a bfloat16 pool; no more than V), one warp; keys beyond 128 the wide launch."""
+    """The decode launch: 64 float32 columns (two warps) or 32 columns of a bfloat16 pool (one warp)
+    per program, no more than V; keys beyond 128 the wide launch."""
     p = P.decode_plan(K, V, state_bytes, P.Tuning())
     assert (p.BK, p.BV, p.launch.warps) == (P.pow2(K), bv, warps)
+
+
+@pytest.mark.parametrize("pool,entries,check", [(False, 1, 0), (True, 1, 2), (True, 32, 2), (True, 33, 1),
+                                                (True, 4096, 1)])
+def test_decode_check_by_call_size(pool, entries, check):
+    """A pool call of at most decode_inline_check index entries is checked by the decode programs
+    (one launch), a larger one by the check kernel first; a call without a pool is not checked."""
+    assert P.decode_plan(128, 128, 4, P.Tuning()).check(pool, entries) == check
+    assert P.decode_plan(128, 128, 4, P.Tuning(decode_slot_check=False)).check(pool, entries) == 0
+
+
+def test_decode_inline_rows():
+    """The decode programs' own check covers 32 index entries: 32 sequences of one column, 4 of 8;
+    decode_inline_check beyond 64 (whose [entries]^2 comparison would not fit registers) is refused."""
+    p = P.decode_plan(128, 128, 4, P.Tuning())
+    assert (p.inline_rows(1), p.inline_rows(8), p.inline_rows(32)) == (32, 4, 1)
+    with pytest.raises(ValueError, match="decode_inline_check"):
+        P.decode_plan(128, 128, 4, P.Tuning(decode_inline_check=65))
 
 
 def test_explain_shows_the_decode_plan():
@@ -210,4 +229,11 @@ def test_explain_shows_the_decode_plan():
     with fastkda.use_backend("triton"):
         plan = fastkda.explain(fastkda.fused_recurrent_kda, **x, initial_state=pool,
                                ssm_state_indices=torch.tensor([0, 2, -1], device=DEVICE), inplace_final_state=True).plan
-    assert "decode plan: 32 value columns per program (1 warp), slot check" in plan, plan
+    assert "decode plan: 32 value columns per program (1 warp), slot check in the decode programs" in plan, plan
+    big = torch.arange(40, device=DEVICE)
+    xb = make_inputs(Case(B=40, T=1, K=64, V=64, gate="softplus", dtype=torch.bfloat16, initial_state=False),
+                     device=DEVICE)
+    with fastkda.use_backend("triton"):
+        plan = fastkda.explain(fastkda.fused_recurrent_kda, **xb, initial_state=pool.new_zeros(40, *pool.shape[1:]),
+                               ssm_state_indices=big, inplace_final_state=True).plan
+    assert plan.endswith("slot check kernel"), plan

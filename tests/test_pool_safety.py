@@ -198,7 +198,7 @@ DUPLICATES = {  # (indices, accepted, tokens per sequence): two live sequences t
 
 @TRITON
 @pytest.mark.parametrize("name", list(DUPLICATES))
-def test_duplicate_live_slots_are_reported(name, rng):
+def test_duplicate_live_slots_are_reported(name, rng, check_path):
     """Two sequences of one in-place call that read or write the same slot: reported like a bad
     slot (the call changes nothing and returns zeros; decode_error() names the sequence, or with
     raise_on_bad_index=True a ValueError naming the slot)."""
@@ -221,7 +221,7 @@ def test_duplicate_live_slots_are_reported(name, rng):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_shared_slots_that_are_allowed(backend, rng):
+def test_shared_slots_that_are_allowed(backend, rng, check_path):
     """Shared slots that are well defined: sequences that only read one slot (no in-place write)
     start from the same state; a slot named by another sequence in a column it does not touch; one
     sequence naming a slot twice in its row (the state after its later token wins)."""

@@ -187,7 +187,7 @@ def fused_recurrent_kda(
         raise_on_bad_index: what a bad pool index (a slot outside ``[0, num_slots)`` other than
             -1, a ``num_accepted_tokens`` outside ``[1, 1 + num_draft]``, more tokens than columns,
             a slot shared by two sequences of an in-place call) does on the Triton backend, which
-            checks the indices on the device. Either way the call reads and writes no slot and
+            checks the indices on the device. Either way the call writes no slot and
             returns zeros, and the decode kernel never touches memory outside the pool. False
             (default): the call does not synchronise with the host, and :func:`decode_error` reports
             the error later. True: the call reads its check back (one synchronisation) and raises
@@ -242,7 +242,7 @@ def decode_error(device=None) -> str | None:
 
     Such a call checks its indices on the device (slots in the pool, accepted-token counts, tokens
     per sequence, and with ``inplace_final_state`` no slot shared by two sequences) and, finding a
-    bad one, reads and writes no slot and returns zeros. An engine calls this after a step or a
+    bad one, writes no slot and returns zeros. An engine calls this after a step or a
     graph replay (it reads a device flag: one synchronisation). The PyTorch backend checks on the
     host and raises at once.
     """

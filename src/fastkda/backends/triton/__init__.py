@@ -19,8 +19,8 @@ import torch
 from ... import platform
 from ..registry import Backend, forced_backend, needs_grad
 from .function import chunk_forward, chunk_kda_autograd, chunk_kda_vjp, plan_of
-from .plan import current_tuning, decode_plan
-from .recurrent import recurrent_forward
+from .plan import current_tuning, decode_plan, pow2
+from .recurrent import index_columns, recurrent_forward
 from . import gate as gate_kernels
 
 MAX_DIM = platform.TRITON_MAX_DIM
@@ -69,7 +69,8 @@ class TritonBackend(Backend):
             p = decode_plan(opts.shape.K, opts.shape.V, h0.element_size() if h0 is not None else 4, current_tuning())
             return (f"decode plan: {p.BV} value columns per program ({p.launch.warps} warp"
                     f"{'' if p.launch.warps == 1 else 's'})"
-                    + (", slot check" if opts.pool and p.slot_check else ""))
+                    + {0: "", 1: ", slot check kernel", 2: ", slot check in the decode programs"}[
+                        p.check(opts.pool, opts.shape.N * pow2(index_columns(inputs.ssm_state_indices), 1))])
         return None
 
     def chunk_kda(self, opts, inputs):

@@ -98,12 +98,15 @@ class Tuning:
     bwd_dg_slice: int = 64
     bwd_qk_rows: int = 16
     # decoding and the elementwise gate kernels
-    decode_bv: int = 16  # float32 states: 64-byte row segments
-    decode_bv_bf16: int = 32  # bfloat16 states: the same 64 bytes per row segment
-    decode_warps: int = 1
+    decode_bv: int = 64  # float32 states: 256-byte row segments, 32 KiB per program
+    decode_warps: int = 2
+    decode_bv_bf16: int = 32  # bfloat16 states: 64-byte row segments, 8 KiB per program
+    decode_warps_bf16: int = 1
     decode_wide: tuple[int, int] = (32, 4)  # (BV, warps) for K > 128
-    decode_check_rows: int = 256  # sequences per step of the slot check
-    decode_slot_check: bool = True  # the device-side slot check kernel (the write kernels bound slots anyway)
+    decode_check_rows: int = 1024  # sequences per step of the slot check kernel (each step waits on its loads)
+    decode_check_warps: int = 8
+    decode_inline_check: int = 32  # calls of at most this many index entries (<= 64): checked by the decode programs
+    decode_slot_check: bool = True  # the device-side slot check (the write kernels bound slots anyway)
     gate_rows: int = 32
     # device facts (None: the device's own)
     sm_count: int | None = None
@@ -469,7 +472,22 @@ class DecodePlan(NamedTuple):
     BV: int
     launch: Launch
     check_rows: int
+    check_launch: Launch
+    inline_check: int
     slot_check: bool
+
+    def inline_rows(self, cols: int) -> int:
+        """The sequences a decode program checks itself (a power of two) for index rows of ``cols``
+        (a power of two) columns: the call's ``[rows * cols]^2`` entry pairs stay within 64^2."""
+        return max(pow2(self.inline_check) // cols, 1)
+
+    def check(self, pool: bool, entries: int) -> int:
+        """How a call with ``entries`` index entries (sequences x padded columns) checks them: 0 not
+        at all (no pool, or the check switched off), 1 a check kernel before the decode kernel, 2 in
+        the decode programs (small calls: one launch)."""
+        if not (pool and self.slot_check):
+            return 0
+        return 2 if entries <= self.inline_check else 1
 
 
 @functools.lru_cache(maxsize=64)
@@ -480,6 +498,11 @@ def decode_plan(K: int, V: int, state_bytes: int, tuning: Tuning) -> DecodePlan:
     if BK > 128:
         BV, warps = tuning.decode_wide
     else:
-        BV, warps = (tuning.decode_bv if state_bytes >= 4 else tuning.decode_bv_bf16), tuning.decode_warps
+        BV, warps = ((tuning.decode_bv, tuning.decode_warps) if state_bytes >= 4 else
+                     (tuning.decode_bv_bf16, tuning.decode_warps_bf16))
     BV = min(pow2(V), BV)
-    return DecodePlan(BK, BV, Launch(warps, None), tuning.decode_check_rows, tuning.decode_slot_check)
+    if not 0 <= tuning.decode_inline_check <= 64:  # call_error compares [entries]^2 pairs in registers
+        raise ValueError(f"Tuning.decode_inline_check must be in [0, 64], got {tuning.decode_inline_check}")
+    return DecodePlan(BK, BV, Launch(warps, None), tuning.decode_check_rows, Launch(tuning.decode_check_warps, None),
+                      tuning.decode_inline_check,
+                      tuning.decode_slot_check)

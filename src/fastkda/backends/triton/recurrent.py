@@ -1,12 +1,14 @@
 """Decoding: token-by-token KDA on state pools, without host synchronisation.
 
-Two launches per pool call. ``kda_check_indices_kernel`` checks the call's indices (slots in
-[-1, num_slots), accepted-token counts in [1, 1 + num_draft], tokens per sequence <= 1 + num_draft,
-and with an in-place write no slot touched by two sequences) and writes the error code of this
-call into a scratch of its own; ``kda_recurrent_kernel`` reads that code and, if it is set, treats
-every sequence as padding, so that a call with one bad index changes nothing. Whatever the code
-says, the decode kernel forms a pool pointer only for a slot in [0, num_slots) and a draft column
-below 1 + num_draft: it never reads or writes outside the pool.
+A pool call checks its indices (slots in [-1, num_slots), accepted-token counts in
+[1, 1 + num_draft], tokens per sequence <= 1 + num_draft, and with an in-place write no slot
+touched by two sequences) before it writes anything. A small call (the plan's
+``decode_inline_check`` index entries or fewer) is one launch: every decode program makes the
+call's error code itself (``call_error``) and writes nothing when it is set. A larger one launches
+``kda_check_indices_kernel`` first, which leaves the code in a scratch of the call that the decode
+programs read. Either way a call with one bad index changes nothing, and whatever the code says,
+the decode kernel forms a pool pointer only for a slot in [0, num_slots) and a draft column below
+1 + num_draft: it never reads or writes outside the pool.
 
 A call that does not raise (the default, and every graph replay) also records its error in the
 device's sticky code: set by compare-and-swap (the first error stays), cleared only by
@@ -14,8 +16,9 @@ device's sticky code: set by compare-and-swap (the first error stays), cleared o
 (one synchronisation) and raises.
 
 One program per (value block of BV columns, sequence, value head); the float32 state tile
-[BK, BV] lives in registers for all tokens of the sequence. Pools are indexed through their
-strides, so a view of a wider cache is read and written where it lies.
+[BK, BV] lives in registers for all tokens of the sequence, its load issued before anything else
+(the kernel is bound by the latency of that load). Pools are indexed through their strides, so a
+view of a wider cache is read and written where it lies.
 """
 
 from __future__ import annotations
@@ -64,26 +67,40 @@ def pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS, BC: t
 
 
 @triton.jit
+def rows_first_error(acc, o_n, m_n, L, b_idx, num_slots, COLS, SPEC: tl.constexpr):
+    """[BN] per sequence of a pool_rows block: its error code (kind + ERR_BASE * sequence) for a
+    slot outside [-1, num_slots), an accepted-token count outside [1, COLS] or more tokens than
+    COLS; NONE (2**31 - 1) for a sequence without one."""
+    NONE: tl.constexpr = 2**31 - 1
+    m_bad = (b_idx < -1) | (b_idx >= num_slots)  # the entries outside the rows hold -1
+    b_kind = tl.where(tl.sum(m_bad.to(tl.int32), 1) > 0, _ERR_SLOT, 0)
+    if SPEC:
+        b_a = tl.load(acc + o_n, mask=m_n, other=1).to(tl.int64)
+        b_kind = tl.where((b_a < 1) | (b_a > COLS), _ERR_ACCEPTED, b_kind)
+        b_kind = tl.where(L > COLS, _ERR_TOKENS, b_kind)
+    return tl.where(m_n & (b_kind != 0), b_kind + _ERR_BASE * o_n, NONE)
+
+
+@triton.jit
 def kda_check_indices_kernel(idx, acc, cu_seqlens, scratch, sticky, N, T, num_slots, stride_idx, COLS,
                              BC: tl.constexpr, BN: tl.constexpr, SPEC: tl.constexpr, IS_VARLEN: tl.constexpr,
                              KEEP: tl.constexpr, UNIQUE: tl.constexpr):
     """scratch[0] <- 0, or the error of the first sequence that has one (kind + ERR_BASE *
     sequence), BN sequences at a time. UNIQUE (an in-place call): every slot the call touches
-    belongs to one sequence; scratch[1 + slot] (zeroed by the caller) takes the largest
-    sequence + 1 touching it, and every other sequence touching it has ERR_SHARED. KEEP (a call
-    that will not raise): the code also goes to sticky[0] unless that holds one already."""
+    belongs to one sequence; scratch[1 + slot] (zeroed here first) takes the largest sequence + 1
+    touching it, and every other sequence touching it has ERR_SHARED. KEEP (a call that will not
+    raise): the code also goes to sticky[0] unless that holds one already. One program."""
     NONE: tl.constexpr = 2**31 - 1
     b_first = tl.full([BN], NONE, tl.int32)
+    if UNIQUE:  # the owner table, all accesses atomic (at L2)
+        for s0 in range(0, num_slots, BN * BC):
+            o_s = s0 + tl.arange(0, BN * BC)
+            tl.atomic_xchg(scratch + 1 + o_s, tl.zeros([BN * BC], tl.int32), mask=o_s < num_slots)
+        tl.debug_barrier()
     for n0 in range(0, N, BN):
         o_n, m_n, L, b_idx, m_touch = pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS,
                                                 BC, BN, SPEC, IS_VARLEN)
-        m_bad = (b_idx < -1) | (b_idx >= num_slots)  # the entries outside the rows hold -1
-        b_kind = tl.where(tl.sum(m_bad.to(tl.int32), 1) > 0, _ERR_SLOT, 0)
-        if SPEC:
-            b_a = tl.load(acc + o_n, mask=m_n, other=1).to(tl.int64)
-            b_kind = tl.where((b_a < 1) | (b_a > COLS), _ERR_ACCEPTED, b_kind)
-            b_kind = tl.where(L > COLS, _ERR_TOKENS, b_kind)
-        b_first = tl.minimum(b_first, tl.where(m_n & (b_kind != 0), b_kind + _ERR_BASE * o_n, NONE))
+        b_first = tl.minimum(b_first, rows_first_error(acc, o_n, m_n, L, b_idx, num_slots, COLS, SPEC))
         if UNIQUE:
             b_who = tl.zeros([BN, BC], tl.int32) + (o_n + 1)[:, None]
             tl.atomic_max(scratch + 1 + tl.where(m_touch, b_idx, 0), b_who, mask=m_touch)
@@ -105,29 +122,87 @@ def kda_check_indices_kernel(idx, acc, cu_seqlens, scratch, sticky, N, T, num_sl
 
 
 @triton.jit
+def call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC: tl.constexpr, BN: tl.constexpr,
+               SPEC: tl.constexpr, IS_VARLEN: tl.constexpr, UNIQUE: tl.constexpr):
+    """The code kda_check_indices_kernel gives a call of at most BN sequences, made by one program
+    from registers (no scratch, no atomics): the decode kernel's own check on small calls. A
+    shared slot is found by comparing every touched entry with every other ([BN * BC]^2)."""
+    NONE: tl.constexpr = 2**31 - 1
+    o_n, m_n, L, b_idx, m_touch = pool_rows(idx, acc, cu_seqlens, 0, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC,
+                                            IS_VARLEN)
+    b_first = rows_first_error(acc, o_n, m_n, L, b_idx, num_slots, COLS, SPEC)
+    if UNIQUE:
+        E: tl.constexpr = BN * BC
+        b_s = tl.reshape(tl.where(m_touch, b_idx, -1), [E])  # -1: an entry that touches nothing
+        b_r = tl.reshape(tl.zeros([BN, BC], tl.int32) + o_n[:, None], [E])
+        # entry i shares its slot with an entry of a later sequence
+        m_pair = (b_s[:, None] == b_s[None, :]) & (b_s[:, None] >= 0) & (b_r[:, None] < b_r[None, :])
+        m_shared = tl.max(tl.reshape(tl.max(m_pair.to(tl.int32), 1), [BN, BC]), 1) > 0
+        b_first = tl.minimum(b_first, tl.where(m_n & m_shared, _ERR_SHARED + _ERR_BASE * o_n, NONE))
+    b_code = tl.min(b_first, 0)
+    return tl.where(b_code == NONE, 0, b_code)
+
+
+@triton.jit
 def kda_take_error_kernel(sticky, out):
     """out[0] <- sticky[0], which becomes 0 in the same atomic step."""
     tl.store(out, tl.atomic_xchg(sticky, 0))
 
 
-@triton.jit(do_not_specialize=["T", "num_slots"])
+@triton.jit
+def token_step(q, k, v, g, beta, A_log, dt_bias, b_S, r, m_r, i_h, i_hv, o_k, o_v, m_k, m_v, scale, lower_bound,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
+               HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, SIGMOID: tl.constexpr,
+               BETA_SCALE: tl.constexpr):
+    """(the state after token r, the output [BV] of token r) from the float32 state tile [BK, BV]
+    before it; m_r False: no token r (nothing is read; the caller keeps the state)."""
+    b_q = tl.load(q + (r * H + i_h) * K + o_k, mask=m_k & m_r, other=0.0).to(tl.float32)
+    b_k = tl.load(k + (r * H + i_h) * K + o_k, mask=m_k & m_r, other=0.0).to(tl.float32)
+    b_v = tl.load(v + (r * HV + i_hv) * V + o_v, mask=m_v & m_r, other=0.0).to(tl.float32)
+    b_g = tl.load(g + (r * HV + i_hv) * K + o_k, mask=m_k & m_r, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + r * HV + i_hv, mask=m_r, other=0.0).to(tl.float32)
+    if L2NORM:
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    if SIGMOID:
+        b_b = tl.sigmoid(b_b) * BETA_SCALE
+    b_g = activate_gate(b_g[None, :], A_log, dt_bias, i_hv, o_k, m_k, lower_bound, GATE, HAS_A, HAS_BIAS, K, 0)
+    b_g = tl.sum(b_g, 0)  # back to [BK]
+    # without token r: decay 1, k = 0 and u = 0, so the state comes back bit for bit (no tl.where on
+    # the tile, which would keep two tiles live)
+    b_S = b_S * tl.exp(tl.where(m_k & m_r, b_g, 0.0))[:, None]
+    b_u = b_b * (b_v - tl.sum(b_S * b_k[:, None], 0))  # the delta: beta (v - S^T k)
+    b_u = tl.where(m_r, b_u, 0.0)  # S^T k is NaN without a token where S holds an infinity
+    b_S += b_k[:, None] * b_u[None, :]
+    return b_S, tl.sum(b_S * (b_q * scale)[:, None], 0)
+
+
+@triton.jit
+def spec_store(h0, idx, b_S, i_n, t, m_write, num_slots, stride_idx, COLS, stride_hs, stride_hh, i_hv, o_h, m_h):
+    """Speculative decoding in place: the state after token t goes to column t of the sequence's
+    index row; none past the row's end or outside the pool."""
+    slot_t = tl.load(idx + i_n * stride_idx + t, mask=m_write & (t < COLS), other=-1).to(tl.int64)
+    if (slot_t >= 0) & (slot_t < num_slots):
+        tl.store(h0 + slot_t * stride_hs + i_hv * stride_hh + o_h, b_S.to(h0.dtype.element_ty), mask=m_h)
+
+
+@triton.jit(do_not_specialize=["N", "T", "num_slots"])
 def kda_recurrent_kernel(
-    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, scratch,
-    scale, lower_bound, T, num_slots, stride_idx, COLS, stride_hs, stride_hh, stride_hk, stride_hv,
+    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, scratch, sticky,
+    scale, lower_bound, N, T, num_slots, stride_idx, COLS, stride_hs, stride_hh, stride_hk, stride_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, SIGMOID: tl.constexpr,
     BETA_SCALE: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, POOL: tl.constexpr, SPEC: tl.constexpr,
     INPLACE: tl.constexpr, V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, H_TILE: tl.constexpr,
+    CHECK: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr, KEEP: tl.constexpr,
 ):
+    """CHECK (pool calls): 0 none, 1 the code kda_check_indices_kernel left in scratch[0], 2 this
+    program's own call_error over the call's N <= BN sequences (BN fixed by the columns, so that
+    the batch size compiles nothing new); program 0 then records it (sticky[0] with KEEP, else
+    scratch[0] for the host)."""
     i_v, i_nh = seq_program(V, BV)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:  # the boundaries are kept inside [0, T] whatever cu_seqlens holds
-        bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_n).to(tl.int64), 0), T)
-        T_seq = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_n + 1).to(tl.int64), bos), T) - bos
-    else:
-        bos = i_n * T
-        T_seq = T
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -146,56 +221,64 @@ def kda_recurrent_kernel(
     else:
         o_h = o_k.to(tl.int64)[:, None] * stride_hk + o_v.to(tl.int64)[None, :] * stride_hv
 
+    # the state load goes first (its latency is the kernel's): a slot in [0, num_slots) is read
+    # whatever the call's check says, which decides only what is written
     slot0 = i_n
+    m_slot = slot0 >= 0
     if POOL:
-        # a sequence is live when the call's check found nothing (code 0) and its slot lies in the
-        # pool; -1 (padding) and any slot outside [0, num_slots) read and write nothing
-        ok = tl.load(scratch) == 0
         if SPEC:
             a = tl.minimum(tl.maximum(tl.load(acc + i_n).to(tl.int64), 1), COLS)  # in the row even when bad
             slot0 = tl.load(idx + i_n * stride_idx + a - 1).to(tl.int64)
         else:
             slot0 = tl.load(idx + i_n * stride_idx).to(tl.int64)
-        live = ok & (slot0 >= 0) & (slot0 < num_slots)
-        slot0 = tl.where(live, slot0, 0)  # no address outside the pool is formed
-    else:
-        live = slot0 >= 0
+        m_slot = (slot0 >= 0) & (slot0 < num_slots)  # -1 (padding) and any other slot: no access
+        slot0 = tl.where(m_slot, slot0, 0)  # no address outside the pool is formed
     b_S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        b_S += tl.load(h0 + slot0 * stride_hs + i_hv * stride_hh + o_h, mask=m_h & live, other=0.0).to(tl.float32)
+        b_S += tl.load(h0 + slot0 * stride_hs + i_hv * stride_hh + o_h, mask=m_h & m_slot, other=0.0).to(tl.float32)
 
+    if IS_VARLEN:  # the boundaries are kept inside [0, T] whatever cu_seqlens holds
+        bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_n).to(tl.int64), 0), T)
+        T_seq = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_n + 1).to(tl.int64), bos), T) - bos
+    else:
+        bos = i_n * T
+        T_seq = T
+    live = m_slot
+    code = 0
+    if POOL:
+        if CHECK == 1:
+            live = live & (tl.load(scratch) == 0)
+        elif CHECK == 2:
+            code = call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC, IS_VARLEN,
+                              INPLACE)
+            live = live & (code == 0)
     p_o = o + (bos * HV + i_hv) * V + o_v
-    for t in range(0, T_seq):
-        r = bos + t
-        b_q = tl.load(q + (r * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + (r * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v + (r * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g + (r * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_b = tl.load(beta + r * HV + i_hv).to(tl.float32)
-        if L2NORM:
-            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-        if SIGMOID:
-            b_b = tl.sigmoid(b_b) * BETA_SCALE
-        b_g = activate_gate(b_g[None, :], A_log, dt_bias, i_hv, o_k, m_k, lower_bound, GATE, HAS_A, HAS_BIAS, K, 0)
-        b_g = tl.sum(b_g, 0)  # back to [BK]
-        b_S = b_S * tl.exp(tl.where(m_k, b_g, 0.0))[:, None]
-        b_u = b_b * (b_v - tl.sum(b_S * b_k[:, None], 0))  # the delta: beta (v - S^T k)
-        b_S += b_k[:, None] * b_u[None, :]
-        b_o = tl.sum(b_S * (b_q * scale)[:, None], 0)
+    # token 0 outside the loop: its loads then overlap the state's (a loop would wait for b_S first)
+    m_t = T_seq > 0
+    b_S, b_o = token_step(q, k, v, g, beta, A_log, dt_bias, b_S, bos, m_t, i_h, i_hv, o_k, o_v, m_k, m_v,
+                          scale, lower_bound, H, HV, K, V, GATE, HAS_A, HAS_BIAS, L2NORM, SIGMOID, BETA_SCALE)
+    tl.store(p_o, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v & m_t)
+    if SPEC and INPLACE:
+        spec_store(h0, idx, b_S, i_n, 0, m_t & live, num_slots, stride_idx, COLS, stride_hs, stride_hh, i_hv, o_h, m_h)
+    for t in range(1, T_seq):
+        b_S, b_o = token_step(q, k, v, g, beta, A_log, dt_bias, b_S, bos + t, True, i_h, i_hv, o_k, o_v, m_k, m_v,
+                              scale, lower_bound, H, HV, K, V, GATE, HAS_A, HAS_BIAS, L2NORM, SIGMOID, BETA_SCALE)
         tl.store(p_o + t * HV * V, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
-        if SPEC:
-            if INPLACE:
-                # the state after token t goes to column t of the row: none past the row's end
-                slot_t = tl.load(idx + i_n * stride_idx + t, mask=live & (t < COLS), other=-1).to(tl.int64)
-                if (slot_t >= 0) & (slot_t < num_slots):
-                    tl.store(h0 + slot_t * stride_hs + i_hv * stride_hh + o_h, b_S.to(h0.dtype.element_ty), mask=m_h)
+        if SPEC and INPLACE:
+            spec_store(h0, idx, b_S, i_n, t, live, num_slots, stride_idx, COLS, stride_hs, stride_hh, i_hv, o_h, m_h)
 
     if INPLACE and not SPEC:
         if live:
             tl.store(h0 + slot0 * stride_hs + i_hv * stride_hh + o_h, b_S.to(h0.dtype.element_ty), mask=m_h)
     if STORE_HT:
         tl.store(ht + i_nh * K * V + o_ht, tl.where(live, b_S, 0.0), mask=m_h)
+    if CHECK == 2:  # program 0 records the call's code
+        if (i_v == 0) & (i_nh == 0):
+            if KEEP:
+                if code != 0:
+                    tl.atomic_cas(sticky, 0, code)
+            else:
+                tl.store(scratch + tl.arange(0, 1), code + tl.zeros([1], tl.int32))
 
 
 _STICKY: dict = {}
@@ -270,6 +353,11 @@ def _state_strides(h0, v_first: bool) -> tuple[dict, int]:
     return strides, 1 if span < 2**31 else 2
 
 
+def index_columns(idx) -> int:
+    """Slots per sequence of ``ssm_state_indices`` (1 + num_draft with speculative decoding)."""
+    return idx.shape[1] if (idx is not None and idx.ndim == 2) else 1
+
+
 def recurrent_forward(opts, x):
     s = opts.shape
     B, T, H, HV, K, V, N = s.B, s.T, s.H, s.HV, s.K, s.V, s.N
@@ -282,32 +370,36 @@ def recurrent_forward(opts, x):
     ht = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev) if (
         opts.output_final_state and not opts.inplace_final_state) else None
     idx, acc = x.ssm_state_indices, x.num_accepted_tokens
-    cols = idx.shape[1] if (idx is not None and idx.ndim == 2) else 1
+    cols = index_columns(idx)
     num_slots = h0.shape[0] if h0 is not None else 0
     raises = opts.pool and opts.raise_on_bad_index and not platform.capturing(dev)  # reads the check back
-    scratch = None
-    if opts.pool:
-        # this call's error code, then (in place) the owner of every slot
+    scratch = sticky = None
+    bc = pow2(cols, 1)
+    check = plan.check(opts.pool, N * bc)  # 0: none (the decode kernel still bounds every slot)
+    if check:
+        sticky = sticky_error(platform.resolve_device(dev)) if not raises else None
+    if check == 2:  # the decode programs check the call themselves
+        scratch = torch.empty(1, dtype=torch.int32, device=dev) if raises and N * HV > 0 else None
+    elif check == 1:  # this call's error code, then (in place) the owner of every slot
         unique = opts.inplace_final_state
-        scratch = torch.zeros(1 + (num_slots if unique else 0), dtype=torch.int32, device=dev)
-        sticky = scratch if raises else sticky_error(platform.resolve_device(dev))
-        if plan.slot_check:  # off: every slot passes here (the decode kernel still bounds them)
-            launch(kda_check_indices_kernel, (1,),
-                   idx, acc, x.cu_seqlens, scratch, sticky, N, T, num_slots, idx.stride(0), cols, BC=pow2(cols, 1),
-                   BN=plan.check_rows, SPEC=opts.spec_decode, IS_VARLEN=x.cu_seqlens is not None, KEEP=not raises,
-                   UNIQUE=unique)
+        scratch = torch.empty(1 + (num_slots if unique else 0), dtype=torch.int32, device=dev)
+        launch(kda_check_indices_kernel, (1,),
+               idx, acc, x.cu_seqlens, scratch, sticky if not raises else scratch, N, T, num_slots,
+               idx.stride(0), cols, BC=bc, BN=plan.check_rows, SPEC=opts.spec_decode,
+               IS_VARLEN=x.cu_seqlens is not None, KEEP=not raises, UNIQUE=unique, **plan.check_launch.kwargs())
     BK, BV = plan.BK, plan.BV
     strides, h_tile = _state_strides(h0, opts.state_v_first)
     if N * HV > 0:
         launch(kda_recurrent_kernel, seq_grid(V, BV, N * HV),
-            q, k, v, g, beta, x.A_log, x.dt_bias, o, h0, ht, x.cu_seqlens, idx, acc, scratch,
-            scale=opts.scale, T=T, num_slots=num_slots, stride_idx=idx.stride(0) if idx is not None else 0, COLS=cols,
-            **strides, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **gate_launch(opts, x.A_log, x.dt_bias),
+            q, k, v, g, beta, x.A_log, x.dt_bias, o, h0, ht, x.cu_seqlens, idx, acc, scratch, sticky,
+            scale=opts.scale, N=N, T=T, num_slots=num_slots, stride_idx=idx.stride(0) if idx is not None else 0,
+            COLS=cols, **strides, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **gate_launch(opts, x.A_log, x.dt_bias),
             L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, USE_H0=h0 is not None,
             STORE_HT=ht is not None, POOL=opts.pool, SPEC=opts.spec_decode, INPLACE=opts.inplace_final_state,
-            V_FIRST=opts.state_v_first, IS_VARLEN=x.cu_seqlens is not None, H_TILE=h_tile, **plan.launch.kwargs(),
+            V_FIRST=opts.state_v_first, IS_VARLEN=x.cu_seqlens is not None, H_TILE=h_tile, CHECK=check, BC=bc,
+            BN=plan.inline_rows(bc) if check == 2 else 1, KEEP=not raises, **plan.launch.kwargs(),
         )
-    if raises:
+    if raises and scratch is not None:
         code = int(scratch[0].item())
         if code:
             lens = None
