@@ -168,8 +168,8 @@ def token_step(q, k, v, g, beta, A_log, dt_bias, b_S, r, m_r, i_h, i_hv, o_k, o_
         b_b = tl.sigmoid(b_b) * BETA_SCALE
     b_g = activate_gate(b_g[None, :], A_log, dt_bias, i_hv, o_k, m_k, lower_bound, GATE, HAS_A, HAS_BIAS, K, 0)
     b_g = tl.sum(b_g, 0)  # back to [BK]
-    # without token r: decay 1, k = 0 and u = 0, so the state comes back bit for bit (no tl.where on
-    # the tile, which would keep two tiles live)
+    # without token r: decay 1, k = 0 and u = 0, so the state comes back as it was (no tl.where on
+    # the tile, which would keep two tiles live; NaNs may come back with another payload)
     b_S = b_S * tl.exp(tl.where(m_k & m_r, b_g, 0.0))[:, None]
     b_u = b_b * (b_v - tl.sum(b_S * b_k[:, None], 0))  # the delta: beta (v - S^T k)
     b_u = tl.where(m_r, b_u, 0.0)  # S^T k is NaN without a token where S holds an infinity
@@ -268,7 +268,7 @@ def kda_recurrent_kernel(
             spec_store(h0, idx, b_S, i_n, t, live, num_slots, stride_idx, COLS, stride_hs, stride_hh, i_hv, o_h, m_h)
 
     if INPLACE and not SPEC:
-        if live:
+        if live & m_t:  # an empty sequence writes no slot (on the GPU, arithmetic on a NaN drops its payload)
             tl.store(h0 + slot0 * stride_hs + i_hv * stride_hh + o_h, b_S.to(h0.dtype.element_ty), mask=m_h)
     if STORE_HT:
         tl.store(ht + i_nh * K * V + o_ht, tl.where(live, b_S, 0.0), mask=m_h)
