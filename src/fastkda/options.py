@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import math
 import numbers
 import threading
@@ -366,20 +367,30 @@ def autocast_qkv(q, k, v):
     return q, k, v, torch.autocast(dev, enabled=False)
 
 
-def check_writable(name: str, t: torch.Tensor) -> None:
-    """ValueError unless the elements of ``t`` lie at distinct addresses (dims ordered by stride,
-    each stride passes the extent of the smaller ones), as a tensor written in place must."""
-    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1)
+@functools.lru_cache(maxsize=256)
+def _overlapping(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether two elements of a tensor of this shape and stride share an address (dims ordered by
+    stride, each stride must pass the extent of the smaller ones); cached: a decode step's pool
+    comes back with the same layout every call."""
+    dims = sorted((st, n) for n, st in zip(shape, stride) if n != 1)
     if any(n == 0 for _, n in dims):
-        return
+        return False
     extent = 0
     for st, n in dims:
         if st <= extent:
-            raise ValueError(
-                f"`{name}` is written in place (inplace_final_state=True) but elements of it overlap in memory "
-                f"(shape {list(t.shape)}, stride {tuple(t.stride())}: an expanded or self-overlapping view); "
-                f"pass a tensor that owns its elements (e.g. `{name}.clone()`)")
+            return True
         extent += st * (n - 1)
+    return False
+
+
+def check_writable(name: str, t: torch.Tensor) -> None:
+    """ValueError unless the elements of ``t`` lie at distinct addresses, as a tensor written in
+    place must."""
+    if _overlapping(tuple(t.shape), t.stride()):
+        raise ValueError(
+            f"`{name}` is written in place (inplace_final_state=True) but elements of it overlap in memory "
+            f"(shape {list(t.shape)}, stride {tuple(t.stride())}: an expanded or self-overlapping view); "
+            f"pass a tensor that owns its elements (e.g. `{name}.clone()`)")
 
 
 def _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, use_gate_in_kernel=False):

@@ -44,8 +44,10 @@ class TritonBackend(Backend):
         return False, f"tensors on {t.device.type} (needs an NVIDIA GPU, or TRITON_INTERPRET=1 with CPU tensors)"
 
     def verify(self, op, opts, inputs):
-        if any(isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in inputs):
-            return False, "torch.func transforms (grad, vjp, vmap): the kernels take plain tensors only"
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and wrapped(t):
+                return False, "torch.func transforms (grad, vjp, vmap): the kernels take plain tensors only"
         if op.startswith("kda_gate"):  # inputs: (g, A_log, dt_bias[, cu_seqlens])
             ok, reason = self._device_ok(inputs[0])
             if ok and inputs[0].dtype == torch.float64:

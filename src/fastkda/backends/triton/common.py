@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ...alloc import new_empty
-from ...options import graph_chunk_slots, seqlens_derived
+from ...options import GateMode, graph_chunk_slots, seqlens_derived
 from .plan import cdiv
 
 LOG2E = math.log2(math.e)
@@ -236,15 +236,17 @@ def contiguous(t):
 def contiguous_inputs(x, keep: tuple[str, ...] = ()):
     """``x`` (a KDAInputs) with every tensor contiguous, as the kernels index them, except the
     fields named in ``keep``."""
-    return x._replace(**{n: contiguous(t) for n, t in x._asdict().items()
-                         if n not in keep and isinstance(t, torch.Tensor)})
+    changed = {n: t.contiguous() for n, t in zip(x._fields, x)
+               if isinstance(t, torch.Tensor) and not t.is_contiguous() and n not in keep}
+    return x._replace(**changed) if changed else x  # decoding calls: usually nothing to change
+
+
+_GATE_CODES = {GateMode.PREGATED: GATE_PREGATED, GateMode.SOFTPLUS: GATE_SOFTPLUS,
+               GateMode.LOWER_BOUND: GATE_LOWER_BOUND}
 
 
 def gate_code(gate) -> int:
-    from ...options import GateMode
-
-    codes = {GateMode.PREGATED: GATE_PREGATED, GateMode.SOFTPLUS: GATE_SOFTPLUS, GateMode.LOWER_BOUND: GATE_LOWER_BOUND}
-    return codes[gate]
+    return _GATE_CODES[gate]
 
 
 def gate_launch(opts, A_log, dt_bias) -> dict:
