@@ -36,12 +36,18 @@ FORWARD = [
     ("B2 T8192 H64", 2, 8192, 64, None, "safe"),
     ("B1 T32768 H16", 1, 32768, 16, None, "safe"),
     ("B1 T8192 H64 softplus", 1, 8192, 64, None, "softplus"),
+    ("B1 T8192 H64 softplus init", 1, 8192, 64, None, "softplus init"),
 ]
 
 
+GATE_PARAMS = ("Gate parameters (bench_ops.make): safe and softplus A_log = log U(0, 2.7), dt_bias ~ 0.5 randn; "
+               "softplus init, as fla's layer initialises A_log (strong decays): A_log = log U(1, 16), dt_bias ~ 0.1 randn.")
+
+
 def make(B, T, H, seqlens, gate, K=128, V=128, dtype=torch.bfloat16, device="cuda", grad=False):
-    """Inputs (bf16 q, k, v, g, beta) and keyword options of one benchmark case; with ``grad`` every
-    input and the gate parameters require gradients."""
+    """Inputs (bf16 q, k, v, g, beta) and keyword options of one benchmark case (``gate``: "safe",
+    "softplus" or "softplus init", GATE_PARAMS); with ``grad`` every input and the gate parameters
+    require gradients."""
     if seqlens is not None:
         T = sum(seqlens)
     torch.manual_seed(0)
@@ -56,6 +62,9 @@ def make(B, T, H, seqlens, gate, K=128, V=128, dtype=torch.bfloat16, device="cud
     )
     if gate == "safe":
         kw.update(safe_gate=True, lower_bound=-5.0)
+    elif gate == "softplus init":  # strong decays: A_log as fla's layer initialises it, small dt_bias
+        kw.update(A_log=torch.empty(H, device=device).uniform_(1, 16).log(),
+                  dt_bias=torch.randn(H * K, device=device) * 0.1)
     if seqlens is not None:
         kw["cu_seqlens_cpu"] = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()])  # nothing read back per call
         kw["cu_seqlens"] = kw["cu_seqlens_cpu"].to(device, torch.int32)
@@ -246,6 +255,7 @@ def breakdown(name="B1 T8192 H64"):
 BACKWARD = [
     # name, B, T, H, K (= V), gate
     *[(f"B1 T8192 H{h} {gate}", 1, 8192, h, 128, gate) for h in (64, 96) for gate in ("safe", "softplus")],
+    ("B1 T8192 H64 softplus init", 1, 8192, 64, 128, "softplus init"),
     *[(f"B4 T4096 H32 {gate}", 4, 4096, 32, 128, gate) for gate in ("safe", "softplus")],
     *[(f"B8 T2048 H16 K64 {gate}", 8, 2048, 16, 64, gate) for gate in ("safe", "softplus")],
 ]
@@ -481,7 +491,8 @@ def render(path):
     fwd = res["suites"].get("forward")
     if fwd and any("fastkda" in r for r in fwd):
         md = [head, "",
-              "bf16, K=V=128, gate activation (safe: lower_bound=-5), l2norm and beta sigmoid in the kernel; inference mode.",
+              "bf16, K=V=128, gate activation (safe: lower_bound=-5), l2norm and beta sigmoid in the kernel; inference mode. "
+              + GATE_PARAMS,
               "Ratio = fla time / fastkda time (> 1: fastkda faster). Floor = q, k, v, g, beta read once and o written once "
               "at the copy bandwidth. Error = relative RMS against the float64 reference (first 2048 tokens).", "",
               "| case | fastkda ms | fla ms | ratio | fastkda GB/s (floor ms) | first call fastkda / fla (s) | peak +GiB fastkda / fla | error fastkda / fla |",
@@ -512,7 +523,8 @@ def render_backward(res):
     md = [f"{res['env']}, fla-core {res.get('fla_version')}.", "",
           "One training step of the operator: bf16 inputs, gate (safe: lower_bound=-5; softplus), l2norm and beta "
           "sigmoid in the kernel, gradients of q, k, v, g, beta, A_log, dt_bias. Backward alone replays the graph "
-          "of one forward. Ratio = fla time / fastkda time. Peak = memory above the inputs during one step.", "",
+          "of one forward. Ratio = fla time / fastkda time. Peak = memory above the inputs during one step. "
+          + GATE_PARAMS, "",
           "| case | fwd+bwd fastkda / fla ms | ratio | bwd fastkda / fla ms | ratio | peak +GiB fastkda / fla | first call fastkda / fla (s) |",
           "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
