@@ -111,6 +111,27 @@ def test_stage1_path(gate, safe, dtype, train, whole):
     assert not plan_for(opts, dtype, train=train, whole_unbounded=False).stage1.whole or safe
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_split_pass_launches(dtype):
+    """The split pair's second pass (the chunks whose diagonal blocks may take four levels) takes its
+    own tiles and launches, in the forward's intra kernel and the backward's gate-block kernel;
+    bounded gates and float32 inputs launch once, with the first pass's."""
+    t = P.Tuning()
+    soft = plan_for(opts_for(1, 256, 2, dtype=dtype, gate=GateMode.SOFTPLUS), dtype, train=dtype == torch.bfloat16)
+    first = P.IntraPass(dtype == torch.float32, 0 if dtype == torch.float32 else 1, t.intra_whole_slice, t.intra_whole,
+                        t.bwd_gate_block)
+    if dtype == torch.float32:
+        assert soft.stage1.passes == (first,)
+    else:
+        assert soft.stage1.passes == (first, P.IntraPass(True, 2, t.intra_levels_slice, t.intra_whole,
+                                                         t.bwd_gate_block_levels))
+        assert f"{t.intra_levels_slice} columns" in soft.describe()
+    safe = plan_for(opts_for(1, 256, 2, dtype=dtype, gate=GateMode.LOWER_BOUND, safe_gate=True, lower_bound=-5.0), dtype)
+    assert safe.stage1.passes == (P.IntraPass(False, 0, t.intra_whole_slice, t.intra_whole, t.bwd_gate_block),)
+    narrow = plan_for(opts_for(1, 256, 2, dtype=dtype, gate=GateMode.SOFTPLUS), dtype, intra_levels_slice=32)
+    assert narrow.stage1.passes[-1].bs == (t.intra_whole_slice if dtype == torch.float32 else 32)
+
+
 @pytest.mark.parametrize("dtype,train,x_dtype,copy,wu_prec", [
     (torch.bfloat16, False, torch.bfloat16, False, "bf16"), (torch.bfloat16, True, torch.float32, True, "bf16"),
     (torch.float16, False, torch.float32, False, "tf32_rn"), (torch.float32, True, torch.float32, False, "ieee")])

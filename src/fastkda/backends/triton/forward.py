@@ -98,11 +98,11 @@ def stage1_intra(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs) -> Stage1:
            L2NORM=opts.qk_l2norm, WHOLE=s1.whole, EXACT_SUMS=s1.exact_sums, SPLIT=s1.split, FAST=s1.softplus_form,
            **gate_launch(opts, x.A_log, x.dt_bias), **where, **s1.gates.kwargs())
     if s1.whole:
-        for exact, select in s1.passes:
+        for ps in s1.passes:
             launch(kda_fwd_intra_chunk_kernel, chunk_grid(NT * 2, HV, s1.heads_first),
                    x.q, x.k, p.gc, p.gd, p.gok, p.rs, p.Aqk, p.ls, scale=opts.scale, H=H, K=K, BK=s1.BK,
-                   BS=s1.intra_bs, PREC=s1.intra_prec, EXACT_SUMS=exact, SELECT=select, L2NORM=opts.qk_l2norm,
-                   **where, **s1.intra.kwargs())
+                   BS=ps.bs, PREC=s1.intra_prec, EXACT_SUMS=ps.exact, SELECT=ps.select, L2NORM=opts.qk_l2norm,
+                   **where, **ps.launch.kwargs())
     else:
         launch(kda_fwd_intra_kernel, chunk_grid(NT * NC, HV, s1.heads_first),
                x.q, x.k, p.gc, p.ga, p.rs, p.Aqk, p.ls, scale=opts.scale, H=H, K=K, BK=s1.BK, BS=s1.intra_bs,

@@ -66,6 +66,7 @@ class Tuning:
     gates_slice: int = 32
     gates_slice_whole: int = 16
     intra_whole_slice: int = 64
+    intra_levels_slice: int = 16  # the split's second pass (chunks that may take the half-segment levels)
     wu_slice: int = 32
     wu_slice_x16: int = 64
     # forward scan
@@ -92,6 +93,7 @@ class Tuning:
     bwd_k: Launch = Launch(2, 1, 168)
     bwd_gate: Launch = Launch(2, 1, 128)
     bwd_gate_block: Launch = Launch(1)
+    bwd_gate_block_levels: Launch = Launch(2)  # the split's second pass
     bwd_dg: Launch = Launch(4)
     bwd_state_slice: int = 32
     bwd_gate_block_slice: int = 32
@@ -229,13 +231,24 @@ def softplus_form(dtype: torch.dtype, interpret: bool, tuning: Tuning) -> int:
 # the chunk plan
 
 
+class IntraPass(NamedTuple):
+    """One launch of the whole-chunk intra kernel (and of the backward's gate-block kernel): which
+    chunks (tiles.chunk_form's SELECT), exact sums or not, feature columns per tile, launches."""
+
+    exact: bool
+    select: int
+    bs: int
+    launch: Launch
+    gate_block: Launch
+
+
 @dataclass(frozen=True)
 class Stage1Plan:
     """Forward stage 1 (gates, intra-chunk products, the inverse, w/u): docs/kernels.md section 1."""
 
     whole: bool  # the whole-chunk path (else the block path)
     exact_sums: bool  # unbounded gates on the whole-chunk path: float32 sums plus rounding errors
-    passes: tuple  # (exact sums, select) of each launch of the split kernels (tiles.chunk_form)
+    passes: tuple[IntraPass, ...]  # the whole-chunk path's intra launches (one, or the split pair)
     heads_first: bool
     softplus_form: int
     x_dtype: torch.dtype  # X as the inverse stores it
@@ -283,8 +296,7 @@ class BackwardPlan:
     k: Launch
     whole: bool  # the whole-chunk gate gradients (kda_bwd_gate_block_kernel, kda_bwd_dg_kernel)
     pair_prec: str
-    gate_block_bs: int
-    gate_block: Launch
+    gate_block_bs: int  # (the launches: the stage-1 passes')
     dg_bs: int
     dg: Launch
     exact_pairs: bool  # block path: within-block pair sums exactly
@@ -312,7 +324,9 @@ class ChunkPlan:
         lines.append(f"  stage 1: {path} path" + (", exact gate sums" if s.exact_sums else "")
                      + (f", {len(s.passes)} passes" if s.split else "") + f"; X {_name(s.x_dtype)}"
                      + (" + bfloat16 copy" if s.x_copy else "") + f"; intra {s.intra_prec}, w/u {s.wu_prec}")
-        lines.append(f"    gates {s.gates_bs} columns {_fmt(s.gates)}; intra {s.intra_bs} columns {_fmt(s.intra)}; "
+        intra = "; ".join(f"{p.bs} columns {_fmt(p.launch)}" for p in s.passes) if s.whole else \
+            f"{s.intra_bs} columns {_fmt(s.intra)}"
+        lines.append(f"    gates {s.gates_bs} columns {_fmt(s.gates)}; intra {intra}; "
                      f"inverse {_fmt(s.inverse)}; w/u {s.wu_bs} columns {_fmt(s.wu)}")
         for name, sc in (("scan", self.forward), ("recompute scan", self.recompute)):
             if sc is not None:
@@ -322,8 +336,8 @@ class ChunkPlan:
         b = self.backward
         if b is not None:
             lines.append(f"  backward scan: {b.scan_bv} value columns {_fmt(b.scan)}")
-            gates = (f"whole-chunk gate gradients ({b.pair_prec} pairs, {b.gate_block_bs} columns "
-                     f"{_fmt(b.gate_block)}; "
+            blocks = "; ".join(_fmt(p.gate_block) for p in s.passes)
+            gates = (f"whole-chunk gate gradients ({b.pair_prec} pairs, {b.gate_block_bs} columns {blocks}; "
                      f"dg {b.dg_bs} columns {_fmt(b.dg)})" if b.whole else
                      f"block gate gradients ({'exact' if b.exact_pairs else 'row/column'} pair sums, "
                      f"diagonal {b.diag_prec}, {_fmt(b.gate)})")
@@ -386,12 +400,22 @@ def _stage1(opts: KDAOptions, dtype: torch.dtype, train: bool, dev: Device, tuni
     s = opts.shape
     whole = whole_gates(opts, tuning) and (not train or whole_backward(opts, dtype, tuning))
     exact = whole and not opts.safe_gate
-    passes = ((False, 1), (True, 2)) if exact and tuning.split_unbounded and dtype != torch.float32 else ((exact, 0),)
+    BK, BV = pow2(s.K), pow2(s.V)
+    intra = _wide(tuning.intra_whole if whole else tuning.intra, BK, BK)
+    intra_bs = min(tuning.intra_whole_slice, BK)
+    gate_block = _wide(tuning.bwd_gate_block, BK, BV)
+    if exact and tuning.split_unbounded and dtype != torch.float32:
+        # the second pass holds the chunks whose diagonal blocks may take four levels: narrower
+        # tiles and no register cap, where the first pass's spill
+        passes = (IntraPass(False, 1, intra_bs, intra, gate_block),
+                  IntraPass(True, 2, min(tuning.intra_levels_slice, BK), intra,
+                            _wide(tuning.bwd_gate_block_levels, BK, BV)))
+    else:
+        passes = (IntraPass(exact, 0, intra_bs, intra, gate_block),)
     x16 = tuning.x_bf16 and dtype == torch.bfloat16
     x_dtype = torch.bfloat16 if x16 and not train else torch.float32
     x_copy = x16 and train and tuning.x_bf16_train
     low = x_dtype != torch.float32 or x_copy  # the w/u kernel reads X in bfloat16
-    BK, BV = pow2(s.K), pow2(s.V)
     BS = min(tuning.slice, BK, BV)
     intra_prec = _bf16_prec(dev.interpret) if whole and tuning.bf16_products and dtype == torch.bfloat16 else dot.prec
     return Stage1Plan(
@@ -401,8 +425,7 @@ def _stage1(opts: KDAOptions, dtype: torch.dtype, train: bool, dev: Device, tuni
         # gates, intra and inverse do not see V: their warps follow K alone
         gates_bs=min(tuning.gates_slice_whole if whole else tuning.gates_slice, BS),
         gates=_wide(tuning.gates_whole if whole else tuning.gates, BK, BK),
-        intra_bs=min(tuning.intra_whole_slice, BK) if whole else BS, intra_prec=intra_prec,
-        intra=_wide(tuning.intra_whole if whole else tuning.intra, BK, BK),
+        intra_bs=intra_bs if whole else BS, intra_prec=intra_prec, intra=intra,
         inverse=_wide(tuning.inverse, BK, BK),
         wu_bs=min(tuning.wu_slice_x16 if low else tuning.wu_slice, BK, BV),
         wu_prec=_bf16_prec(dev.interpret) if low else dot.prec,
@@ -444,7 +467,7 @@ def _backward(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, dev: Device,
         BS=min(tuning.slice, BK, BV), state_bs=min(tuning.bwd_state_slice, BK),
         v=_wide(tuning.bwd_v, BK, BV), k=_wide(tuning.bwd_k, BK, BV), whole=s1.whole,
         pair_prec=(PAIR_PREC if opts.safe_gate else PAIR_PREC_UNBOUNDED)[dtype],
-        gate_block_bs=min(tuning.bwd_gate_block_slice, BK), gate_block=_wide(tuning.bwd_gate_block, BK, BV),
+        gate_block_bs=min(tuning.bwd_gate_block_slice, BK),
         dg_bs=min(tuning.bwd_dg_slice, BK), dg=_wide(tuning.bwd_dg, BK, BV),
         exact_pairs=exact, diag_prec=dot.prec if exact else "tf32x3", gate=_wide(tuning.bwd_gate, BK, BV),
         qk_rows=tuning.bwd_qk_rows)
