@@ -296,7 +296,7 @@ class BackwardPlan:
     k: Launch
     whole: bool  # the whole-chunk gate gradients (kda_bwd_gate_block_kernel, kda_bwd_dg_kernel)
     pair_prec: str
-    gate_block_bs: int  # (the launches: the stage-1 passes')
+    gate_block_bs: int  # its launches: each stage-1 pass's gate_block
     dg_bs: int
     dg: Launch
     exact_pairs: bool  # block path: within-block pair sums exactly
@@ -406,7 +406,7 @@ def _stage1(opts: KDAOptions, dtype: torch.dtype, train: bool, dev: Device, tuni
     gate_block = _wide(tuning.bwd_gate_block, BK, BV)
     if exact and tuning.split_unbounded and dtype != torch.float32:
         # the second pass holds the chunks whose diagonal blocks may take four levels: narrower
-        # tiles and no register cap, where the first pass's spill
+        # tiles, and more warps without a register cap (the first pass's launches spill there)
         passes = (IntraPass(False, 1, intra_bs, intra, gate_block),
                   IntraPass(True, 2, min(tuning.intra_levels_slice, BK), intra,
                             _wide(tuning.bwd_gate_block_levels, BK, BV)))
