@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import BACKWARD_BACKENDS, DEVICE, GPU
+from conftest import BACKENDS, BACKWARD_BACKENDS, DEVICE, GPU
 from helpers import (AXES, FORMS, OPTION_SPACE, bounded, check, check_grads, forced_gates, grow, launched,
                      plain_options, random_case, scan_given_u, stage1_of, tol_for)
 from hypothesis import HealthCheck, given, settings
@@ -562,3 +562,42 @@ def test_double_backward_torch_backend(rng):
     with use_backend("torch"):
         got = second_order(lambda: chunk_kda(**x))
     check("d2k", got, second_order(lambda: reference(x)), 1e-10)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+def test_training_step_peak_memory(rng, monkeypatch):
+    """The tensors a Triton training step allocates beyond its inputs peak at 26.15 units of one
+    [B, T, HV, 128] bfloat16 tensor (K = V = 128, C = 64, bfloat16, safe gate): what only the
+    backward's phase A reads (v', h, the state gradients, dv', u) is freed before the gate
+    gradients, and dg is allocated after phase A (28.4 units when they all lived to the end). On the
+    GPU the allocator's peak is read; on the CPU every torch.empty/zeros is tracked to its release."""
+    import weakref
+
+    case = Case(T=256 if not GPU else 4096, H=4, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="safe",
+                lower_bound=-5.0, l2norm=True, beta_sigmoid=True, initial_state=False, final_state=False)
+    x = make_inputs(case, device=DEVICE, requires_grad=True, generator=rng)
+    leaves = [t for t in x.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    unit = case.T * case.H * 128 * 2
+    live, peak = [0], [0]
+    if GPU:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        def tracked(fn):
+            def alloc(*a, **k):
+                t = fn(*a, **k)
+                n = t.numel() * t.element_size()
+                live[0] += n
+                peak[0] = max(peak[0], live[0])
+                weakref.finalize(t, lambda: live.__setitem__(0, live[0] - n))
+                return t
+            return alloc
+        for name in ("empty", "zeros", "empty_like", "zeros_like"):
+            monkeypatch.setattr(torch, name, tracked(getattr(torch, name)))
+    with use_backend("triton"):
+        o, _ = chunk_kda(**x)
+        torch.autograd.grad(o, leaves, torch.ones_like(o))
+    if GPU:
+        peak[0] = torch.cuda.max_memory_allocated() - base
+    assert peak[0] / unit <= 26.2, f"peak {peak[0] / unit:.2f} units of {unit} bytes"

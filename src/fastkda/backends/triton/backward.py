@@ -24,9 +24,13 @@ from .forward import Stage1
 from .plan import ChunkPlan, cdiv, pow2
 
 
-def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, p: Stage1, vn, h, dhs, do, dvn):
-    """Backward stage 2 (phases A, B, C). Returns (dq, dk per value head before l2norm [B, T, HV, K]
-    float32, for ``bwd_qk``; dv, dg, dbeta, dA_log, ddt_bias)."""
+def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, work: list, do):
+    """Backward stage 2 (phases A, B, C) from ``work`` = [stage 1's output, v', h, dhs, dv'], which
+    is emptied: what only phase A reads (v', h, dhs, dv', u) is freed after it, w after phase B, and
+    dg is allocated after both, so that the phases' peaks do not add up. Returns (dq, dk per value
+    head before l2norm [B, T, HV, K] float32, for ``bwd_qk``; dv, dg, dbeta, dA_log, ddt_bias)."""
+    p, vn, h, dhs, dvn = work
+    work.clear()
     s, C, b = opts.shape, opts.chunk_size, plan.backward
     B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
     dev, NT, cu_seqlens = x.q.device, p.NT_total, x.cu_seqlens
@@ -38,7 +42,6 @@ def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, p: Stage1, 
     s_db = new_empty(NT, HV, C, **f32)
     s_dgam = new_empty(NT, HV, K, **f32)
     dv = alloc(B, T, HV, V, dtype=x.v.dtype, device=dev)
-    dg = alloc(B, T, HV, K, dtype=x.g.dtype, device=dev)
     dbeta = alloc(*x.beta.shape, dtype=x.beta.dtype, device=dev)
     # per-slot partial sums: with use_graph the slots past the real chunks are skipped and must add zero
     dbias_part = alloc(NT, HV, K, **f32) if x.dt_bias is not None else None
@@ -53,10 +56,14 @@ def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, p: Stage1, 
                x.v, x.beta, p.u, vn, h, dhs, do, dvn, p.xs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, dv,
                scale=opts.scale, K=K, V=V, BKS=b.state_bs, NKS=NKS, BV=BV, BS=b.BS, MIRROR=b.whole, **beta_kw, **where,
                PREC=plan.dot.prec, **b.v.kwargs())
+        del vn, h, dhs, dvn
+        p = p._replace(u=None)
         launch(kda_bwd_k_kernel, (NT, HV),
                x.k, x.beta, p.w, p.gc, p.ls, p.xs, p.rs, s_dw, s_dL, s_db, dbeta,
                H=H, K=K, BK=BK, BS=b.BS, WHOLE=b.whole, **beta_kw, **where, PREC=plan.dot.prec, **b.k.kwargs())
+        p = p._replace(w=None)
         gate = gate_launch(opts, x.A_log, x.dt_bias)
+        dg = alloc(B, T, HV, K, dtype=x.g.dtype, device=dev)  # after phase A, the step's peak
         if b.whole:
             NSB = cdiv(K, b.gate_block_bs)
             s_tot = new_empty(NT, HV, C // 16, 2, K, **f32)  # per block: sums of dG and of the kd terms
@@ -80,7 +87,9 @@ def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, p: Stage1, 
                    s_B, dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=b.BS, NSK=NSK, SAFE=opts.safe_gate,
                    EXACT=b.exact_pairs, DIAG_PREC=b.diag_prec, **gate, **where, PREC=plan.dot.prec,
                    **b.gate.kwargs())
-    elif x.dt_bias is not None or x.A_log is not None:  # no tokens: zero parameter gradients
+    else:
+        dg = alloc(B, T, HV, K, dtype=x.g.dtype, device=dev)
+    if NT == 0 and (x.dt_bias is not None or x.A_log is not None):  # no tokens: zero parameter gradients
         dA_part = torch.zeros(1, HV, 1, **f32) if x.A_log is not None else None
         dbias_part = torch.zeros(1, HV, K, **f32) if x.dt_bias is not None else None
     # in the parameters' own shapes ([HV] or with unit dimensions; [HV*K] or [HV, K])
@@ -101,9 +110,9 @@ def gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, stage: list, do, 
     dht = contiguous(dht) if opts.output_final_state and dht is not None else None
     dhs, dvn, dh0 = bwd_scan(opts, plan, p.qg, p.w, p.kd, p.Aqk, p.gl, do, dht, cu_seqlens, p.chunk_offsets,
                              p.NT_total, need_dh0)
-    p = p._replace(qg=None, kd=None, Aqk=None)  # read by the scans only: freed before the largest stage
-    dqh, dkh, dv, dg, dbeta, dA_log, ddt_bias = chunk_gradients(opts, plan, x, p, vn, h, dhs, do, dvn)
+    work = [p._replace(qg=None, kd=None, Aqk=None), vn, h, dhs, dvn]  # qg, kd, Aqk: read by the scans only
     del p, h, vn, dhs, dvn
+    dqh, dkh, dv, dg, dbeta, dA_log, ddt_bias = chunk_gradients(opts, plan, x, work, do)
     rows = plan.backward.qk_rows
     dq, dk = bwd_qk(q, dqh, opts.qk_l2norm, rows), bwd_qk(k, dkh, opts.qk_l2norm, rows)
     if opts.graph:  # the l2norm backward reads every row of q, k: the rows after the last sequence
