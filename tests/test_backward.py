@@ -569,8 +569,8 @@ def test_training_step_peak_memory(rng, monkeypatch):
     """The tensors a Triton training step allocates beyond its inputs peak at 26.15 units of one
     [B, T, HV, 128] bfloat16 tensor (K = V = 128, C = 64, bfloat16, safe gate): what only the
     backward's phase A reads (v', h, the state gradients, dv', u) is freed before the gate
-    gradients, and dg is allocated after phase A (28.4 units when they all lived to the end). On the
-    GPU the allocator's peak is read; on the CPU every torch.empty/zeros is tracked to its release."""
+    gradients, and dg is allocated after phase A. On the GPU the allocator's peak is read; on the
+    CPU every torch.empty/zeros is tracked to its release."""
     import weakref
 
     case = Case(T=256 if not GPU else 4096, H=4, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="safe",

@@ -87,9 +87,8 @@ def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, work: list,
                    s_B, dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=b.BS, NSK=NSK, SAFE=opts.safe_gate,
                    EXACT=b.exact_pairs, DIAG_PREC=b.diag_prec, **gate, **where, PREC=plan.dot.prec,
                    **b.gate.kwargs())
-    else:
+    else:  # no tokens: zero parameter gradients
         dg = alloc(B, T, HV, K, dtype=x.g.dtype, device=dev)
-    if NT == 0 and (x.dt_bias is not None or x.A_log is not None):  # no tokens: zero parameter gradients
         dA_part = torch.zeros(1, HV, 1, **f32) if x.A_log is not None else None
         dbias_part = torch.zeros(1, HV, K, **f32) if x.dt_bias is not None else None
     # in the parameters' own shapes ([HV] or with unit dimensions; [HV*K] or [HV, K])

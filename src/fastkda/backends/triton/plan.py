@@ -248,7 +248,7 @@ class Stage1Plan:
 
     whole: bool  # the whole-chunk path (else the block path)
     exact_sums: bool  # unbounded gates on the whole-chunk path: float32 sums plus rounding errors
-    passes: tuple[IntraPass, ...]  # the whole-chunk path's intra launches (one, or the split pair)
+    passes: tuple[IntraPass, ...]  # whole-chunk path: its intra launches (one, or the split pair)
     heads_first: bool
     softplus_form: int
     x_dtype: torch.dtype  # X as the inverse stores it
@@ -257,9 +257,9 @@ class Stage1Plan:
     BS: int  # feature columns per tile (block path, inverse)
     gates_bs: int
     gates: Launch
-    intra_bs: int
+    intra_bs: int  # block path (the whole-chunk path's: passes)
     intra_prec: str
-    intra: Launch
+    intra: Launch  # block path
     inverse: Launch
     wu_bs: int
     wu_prec: str  # the products w = X (beta k e^G), u = X (beta v) (and the scan's u)
@@ -401,17 +401,18 @@ def _stage1(opts: KDAOptions, dtype: torch.dtype, train: bool, dev: Device, tuni
     whole = whole_gates(opts, tuning) and (not train or whole_backward(opts, dtype, tuning))
     exact = whole and not opts.safe_gate
     BK, BV = pow2(s.K), pow2(s.V)
-    intra = _wide(tuning.intra_whole if whole else tuning.intra, BK, BK)
-    intra_bs = min(tuning.intra_whole_slice, BK)
-    gate_block = _wide(tuning.bwd_gate_block, BK, BV)
-    if exact and tuning.split_unbounded and dtype != torch.float32:
-        # the second pass holds the chunks whose diagonal blocks may take four levels: narrower
-        # tiles, and more warps without a register cap (the first pass's launches spill there)
-        passes = (IntraPass(False, 1, intra_bs, intra, gate_block),
-                  IntraPass(True, 2, min(tuning.intra_levels_slice, BK), intra,
-                            _wide(tuning.bwd_gate_block_levels, BK, BV)))
-    else:
-        passes = (IntraPass(exact, 0, intra_bs, intra, gate_block),)
+    passes = ()
+    if whole:
+        intra, bs = _wide(tuning.intra_whole, BK, BK), min(tuning.intra_whole_slice, BK)
+        gate_block = _wide(tuning.bwd_gate_block, BK, BV)
+        if exact and tuning.split_unbounded and dtype != torch.float32:
+            # the second pass holds the chunks whose diagonal blocks may take four levels: narrower
+            # tiles, and more warps without a register cap (the first pass's launches spill there)
+            passes = (IntraPass(False, 1, bs, intra, gate_block),
+                      IntraPass(True, 2, min(tuning.intra_levels_slice, BK), intra,
+                                _wide(tuning.bwd_gate_block_levels, BK, BV)))
+        else:
+            passes = (IntraPass(exact, 0, bs, intra, gate_block),)
     x16 = tuning.x_bf16 and dtype == torch.bfloat16
     x_dtype = torch.bfloat16 if x16 and not train else torch.float32
     x_copy = x16 and train and tuning.x_bf16_train
@@ -425,7 +426,7 @@ def _stage1(opts: KDAOptions, dtype: torch.dtype, train: bool, dev: Device, tuni
         # gates, intra and inverse do not see V: their warps follow K alone
         gates_bs=min(tuning.gates_slice_whole if whole else tuning.gates_slice, BS),
         gates=_wide(tuning.gates_whole if whole else tuning.gates, BK, BK),
-        intra_bs=intra_bs if whole else BS, intra_prec=intra_prec, intra=intra,
+        intra_bs=BS, intra_prec=intra_prec, intra=_wide(tuning.intra, BK, BK),
         inverse=_wide(tuning.inverse, BK, BK),
         wu_bs=min(tuning.wu_slice_x16 if low else tuning.wu_slice, BK, BV),
         wu_prec=_bf16_prec(dev.interpret) if low else dot.prec,
