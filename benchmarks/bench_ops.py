@@ -301,7 +301,10 @@ def bench_backward(cases, done=None):
 DECODE = ([(n, h, 32, 128) for h in (32, 16) for n in (1, 16, 64, 256, 512)]  # (N, H, HV, K = V)
           + [(n, h, 32, 64) for h in (32, 16) for n in (1024, 2048)])
 DECODE_POOLS = (torch.float32, torch.bfloat16)
-DECODE_LAUNCH = [(16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (16, 2), (8, 1)]  # (decode_bv, decode_warps)
+# decode launches timed at N=256, H=32, K=V=128: (value columns, warps, stages, programs per SM);
+# 10**6 programs per SM: one program per tile
+DECODE_LAUNCH = [(64, 2, 1, 32), (64, 4, 1, 32), (64, 2, 1, 10**6), (32, 1, 1, 16), (32, 1, 1, 10**6), (64, 2, 2, 4),
+                 (64, 2, 2, 32), (32, 1, 2, 16)]
 DECODE_ERROR_STEPS = 64
 
 
@@ -388,7 +391,7 @@ def bench_decode(cases):
     import triton.testing as tt
 
     import fastkda
-    from fastkda.backends.triton.plan import tuned
+    from fastkda.backends.triton.plan import DecodeLaunch, tuned
     from fastkda.testing import rel_rms
 
     impls = _with_fla({"fastkda": fastkda.fused_recurrent_kda}, "fused_recurrent_kda")
@@ -428,15 +431,19 @@ def bench_decode(cases):
             base = pool.clone()  # timing below updates `pool` in place: every check starts from `pool0`
             pool0 = pool.clone()
             o_base, _ = decode(base)  # the default launch: every other one must give the same numbers
-            for bv, warps in DECODE_LAUNCH:
-                with tuned(decode_bv=bv, decode_bv_bf16=bv, decode_warps=warps, decode_warps_bf16=warps):
+            for launch in DECODE_LAUNCH:
+                dl = DecodeLaunch(*launch)
+                with tuned(**{"decode_f32" if pool_dtype == torch.float32 else "decode_bf16_k128": dl}):
                     state = pool0.clone()
                     o, _ = decode(state)
                     err = max(rel_rms(o, o_base), rel_rms(state[slots], base[slots]))
                     ms_g = _graph_ms(lambda: decode(pool))
                 pool_name = str(pool_dtype)[6:]
-                sweep.append({"pool": pool_name, "K": K, "BV": bv, "warps": warps, "graph_ms": ms_g, "err_vs_default": err})
-                print(f"decode N=256 H=32 K={K} {pool_name} pool BV={bv} warps={warps}: graph {ms_g or float('nan'):.4f} ms  "
+                tbps = 2 * 256 * 32 * K * K * pool.element_size() / ms_g / 1e9 if ms_g else None
+                sweep.append({"pool": pool_name, "K": K, "BV": dl.bv, "warps": dl.warps, "stages": dl.stages,
+                              "programs_per_sm": dl.programs_per_sm, "graph_ms": ms_g, "graph_tbps": tbps,
+                              "err_vs_default": err})
+                print(f"decode N=256 H=32 K={K} {pool_name} pool {dl}: graph {ms_g or float('nan'):.4f} ms  "
                       f"(output and states vs the default launch: {err:.1e})", flush=True)
     errors = {str(dt)[6:]: decode_pool_error(dt) for dt in DECODE_POOLS}
     print("decode pool error vs float64:", errors, flush=True)
@@ -582,12 +589,18 @@ def render_decode(res):
         md += ["", f"Error of a pool's dtype: {next(iter(errors.values()))['steps']} decode steps of N=64 sequences, "
                "H=HV=16, against the float64 per-token reference from the same start (relative RMS): " + "; ".join(
                    f"{dt} pool: outputs {e['o']:.1e}, final states {e['state']:.1e}" for dt, e in errors.items()) + "."]
+    def launch(c):
+        ppsm = c.get("programs_per_sm")
+        progs = "" if ppsm is None else (", one program per tile" if ppsm >= 10**6 else f", {ppsm} programs per SM")
+        stages = f", {c['stages']} stages" if c.get("stages", 1) > 1 else ""
+        tb = f" ({100 * c['graph_tbps'] / bw:.0f}%)" if c.get("graph_tbps") else ""
+        return f"BV={c['BV']} {c['warps']} warps{stages}{progs}: {f(c['graph_ms'])} ms{tb}"
+
     for pool in dict.fromkeys(c.get("pool", "float32") for c in sweep):
         ks = {c.get("K", 128) for c in sweep if c.get("pool", "float32") == pool}
         md += ["", f"Launch options of the decode kernel at N=256, H=32, K=V={'/'.join(map(str, sorted(ks)))}, "
-               f"{pool} pool (graph replays): " + ", ".join(
-            f"BV={c['BV']} {c['warps']} warps {f(c['graph_ms'])} ms" for c in sweep if c.get("pool", "float32") == pool)
-            + "."]
+               f"{pool} pool (graph replays, % of copy bandwidth): "
+               + "; ".join(launch(c) for c in sweep if c.get("pool", "float32") == pool) + "."]
     write_section("gpu-decode", "\n".join(md))
 
 

@@ -40,8 +40,10 @@ def test_bench_ops_render(tmp_path, sections, monkeypatch):
                              "fastkda": {"ms": 0.01, "graph_ms": 0.008, "graph_tbps": 0.5, "host_us": 21.5},
                              "fastkda bfloat16": {"ms": 0.01, "graph_ms": None, "graph_tbps": None, "host_us": 22.0},
                              "fla": {"ms": 0.012, "graph_ms": 0.009, "graph_tbps": 0.4, "host_us": 30.25}}],
-                   "launch_sweep": [{"BV": 16, "warps": 1, "graph_ms": 0.36, "err_vs_default": 0.0},
-                                    {"BV": 32, "warps": 4, "graph_ms": None, "err_vs_default": 1e-7},
+                   "launch_sweep": [{"BV": 16, "warps": 1, "stages": 1, "programs_per_sm": 32, "graph_ms": 0.36,
+                                     "graph_tbps": 3.0, "err_vs_default": 0.0},
+                                    {"BV": 32, "warps": 4, "stages": 2, "programs_per_sm": 10**6, "graph_ms": None,
+                                     "graph_tbps": None, "err_vs_default": 1e-7},
                                     {"pool": "bfloat16", "BV": 32, "warps": 1, "graph_ms": 0.2, "err_vs_default": 0.0}],
                    "pool_error": {"float32": {"o": 1e-6, "state": 2e-6, "steps": 64},
                                   "bfloat16": {"o": 3e-3, "state": 4e-3, "steps": 64}}},
@@ -62,8 +64,10 @@ def test_bench_ops_render(tmp_path, sections, monkeypatch):
     assert "| 1 | 32 / 32 | 128 | 0.0080 | 0.50 (12%) | 0.0090 | 1.12x | 0.0100 | 0.0120 | - | - | - |" in md, md
     assert "H=32: fastkda 21.5 us (bf16 pool 22.0 us), fla-core 30.2 us" in md, md
     assert "bfloat16 pool: outputs 3.0e-03, final states 4.0e-03" in md and "64 decode steps" in md
-    assert "BV=16 1 warps 0.3600 ms" in md and "BV=32 4 warps - ms" in md and "float32 pool (graph replays)" in md
-    assert "bfloat16 pool (graph replays): BV=32 1 warps 0.2000 ms." in md
+    assert "BV=16 1 warps, 32 programs per SM: 0.3600 ms (75%)" in md
+    assert "BV=32 4 warps, 2 stages, one program per tile: - ms" in md
+    assert "float32 pool (graph replays, % of copy bandwidth)" in md
+    assert "bfloat16 pool (graph replays, % of copy bandwidth): BV=32 1 warps: 0.2000 ms." in md
 
 
 def test_bench_cp_render(tmp_path, sections, monkeypatch):

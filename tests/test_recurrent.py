@@ -254,7 +254,7 @@ def test_bf16_pool_is_the_float32_step_rounded(backend, spec, rng, tune):
     conversion to bfloat16 truncates, so there only the one-unit bound holds)."""
     from fastkda.backends.triton.plan import Tuning
 
-    tune(decode_bv_bf16=Tuning().decode_bv, decode_warps_bf16=Tuning().decode_warps)
+    tune(decode_bf16=Tuning().decode_f32, decode_bf16_k128=Tuning().decode_f32)
     pool_dtype = torch.bfloat16
     N, HV, draft, num_slots = 5, 4, 2, 20
     case = Case(B=N, T=1 + draft if spec else 1, H=2, HV=HV, gate="softplus", l2norm=True, beta_sigmoid=True,
@@ -530,3 +530,53 @@ def test_empty_pool_all_padding(backend, rng):
         o, ret = fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=torch.tensor([-1, -1], device=DEVICE),
                                      inplace_final_state=True)
     assert ret is pool and o.shape == x["v"].shape and not o.any()
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("mode", ["decode-bf16", "varlen-bf16", "spec", "final-state"])
+def test_few_programs_loop_over_every_tile(mode, rng, tune, check_path):
+    """Two decode programs, each looping over half of the call's (value block, sequence, head)
+    tiles (pipelined on a bfloat16 pool with one token per sequence), give the one-program-per-tile
+    results bit for bit (outputs, pool, final states), and a bad index still writes nothing."""
+    from fastkda.backends.triton.plan import DecodeLaunch, tuned
+
+    spec, varlen = mode == "spec", mode == "varlen-bf16"
+    pool_dtype = torch.bfloat16 if mode.endswith("bf16") else torch.float32
+    n_seq, cols, num_slots = 5, (3 if spec else 1), 24
+    case = Case(B=1 if varlen else n_seq, T=7 if varlen else (cols if spec else 1), H=2, HV=4, K=32, V=64,
+                seqlens=(2, 1, 0, 3, 1) if varlen else None, gate="softplus", beta_sigmoid=True, l2norm=True,
+                initial_state=False, final_state=False)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    x.pop("initial_state", None)
+    x.pop("output_final_state", None)
+    idx = torch.randperm(num_slots, generator=rng)[: n_seq * cols].view(n_seq, cols).to(DEVICE)
+    kw = dict(ssm_state_indices=idx if spec else idx[:, 0], inplace_final_state=mode != "final-state",
+              output_final_state=mode == "final-state")
+    if spec:
+        kw["num_accepted_tokens"] = torch.randint(1, cols + 1, (n_seq,), generator=rng).to(DEVICE)
+    pool0 = torch.randn(num_slots, case.HV, case.K, case.V, generator=rng).to(DEVICE, pool_dtype)
+
+    def run(**tuning):
+        pool = pool0.clone()
+        with use_backend("triton"), tuned(**tuning):
+            o, final = fused_recurrent_kda(**x, initial_state=pool, **kw)
+        return o, pool, final
+
+    o1, pool1, final1 = run()
+    few = dict(sm_count=1, decode_f32=DecodeLaunch(64, 2, 1, 1), decode_bf16=DecodeLaunch(32, 1, 1, 2))
+    o2, pool2, final2 = run(**few)
+    assert torch.equal(o1, o2) and torch.equal(pool1, pool2)
+    if mode == "final-state":
+        assert torch.equal(final1, final2)
+    else:
+        assert not torch.equal(pool1, pool0)
+    if mode == "decode-bf16":  # the pipelined loop: float32 sums in another order, then the same rounding
+        o3, pool3, _ = run(sm_count=1, decode_bf16=DecodeLaunch(32, 1, 2, 2))
+        assert rel_rms(o3, o1) < 1e-5 and rel_rms(pool3, pool1) < 1e-4
+    bad = kw["ssm_state_indices"].clone()
+    bad.view(-1)[-1] = num_slots
+    pool = pool0.clone()
+    with use_backend("triton"), tuned(**few):
+        with pytest.raises(ValueError, match="outside"):
+            fused_recurrent_kda(**x, initial_state=pool, **{**kw, "ssm_state_indices": bad}, raise_on_bad_index=True)
+    assert torch.equal(pool, pool0)

@@ -476,12 +476,72 @@ def chunk_options(
     return opts, inputs
 
 
+# Decoding calls repeat one layout step after step: the options of a checked call, by what its
+# checks read (tensor shapes, dtypes, devices; the flags and scalars), so that a repeat skips them.
+_RECURRENT_SEEN: dict = {}
+_RECURRENT_SEEN_MAX = 256
+
+
+def _layout(t) -> tuple | None:
+    return (t.shape, t.dtype, t.device)
+
+
+def _recurrent_key(tensors: tuple, flags: tuple, scalars: tuple, cu_seqlens, initial_state, check_values) -> tuple | None:
+    """What the checks of a recurrent call read, or None when they read more (a value: a CPU
+    cu_seqlens, a tensor scale) or raise on a type, which the full path then reports."""
+    if any(type(f) is not bool for f in flags) or any(
+            x is not None and type(x) not in (float, int) for x in scalars):
+        return None
+    if cu_seqlens is not None and (type(cu_seqlens) is not torch.Tensor or cu_seqlens.device.type == "cpu"):
+        return None
+    layouts = []
+    for t in tensors:
+        if t is None:
+            layouts.append(None)
+        elif isinstance(t, torch.Tensor):
+            layouts.append(_layout(t))
+        else:
+            return None
+    grad = initial_state is not None and initial_state.requires_grad and torch.is_grad_enabled()
+    return (*layouts, flags, scalars, grad, check_values)
+
+
 def recurrent_options(
     q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
     ssm_state_indices, num_accepted_tokens, inplace_final_state, raise_on_bad_index: bool = False,
     check_values: bool = True,
 ) -> tuple[KDAOptions, KDAInputs]:
+    key = _recurrent_key(
+        (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens),
+        (output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+         state_v_first, inplace_final_state, raise_on_bad_index), (scale, lower_bound), cu_seqlens, initial_state,
+        check_values)
+    opts, cu_host = _RECURRENT_SEEN.get(key) if key is not None else None, None
+    if opts is None:
+        opts, cu_host = _recurrent_checked(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+            inplace_final_state=inplace_final_state, raise_on_bad_index=raise_on_bad_index, check_values=check_values)
+        if key is not None:
+            if len(_RECURRENT_SEEN) >= _RECURRENT_SEEN_MAX:
+                _RECURRENT_SEEN.clear()
+            _RECURRENT_SEEN[key] = opts  # keyed calls have no host copy of cu_seqlens
+    pregated = opts.gate is GateMode.PREGATED
+    inputs = KDAInputs(q, k, v, g, beta, None if pregated else A_log, None if pregated else dt_bias, initial_state,
+                       cu_seqlens, cu_host, ssm_state_indices, num_accepted_tokens)
+    return opts, inputs
+
+
+def _recurrent_checked(
+    q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
+    ssm_state_indices, num_accepted_tokens, inplace_final_state, raise_on_bad_index, check_values,
+) -> tuple[KDAOptions, torch.Tensor | None]:
+    """(the options of a recurrent call after every check, the host copy of cu_seqlens)."""
     flags = dict(
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -530,13 +590,7 @@ def recurrent_options(
         pool=idx is not None, spec_decode=acc is not None, inplace_final_state=inplace_final_state,
         raise_on_bad_index=raise_on_bad_index,
     )
-    inputs = KDAInputs(
-        q, k, v, g, beta,
-        A_log if gate is not GateMode.PREGATED else None,
-        dt_bias if gate is not GateMode.PREGATED else None,
-        initial_state, cu_seqlens, cu_host, idx, acc,
-    )
-    return opts, inputs
+    return opts, cu_host
 
 
 def gate_options(

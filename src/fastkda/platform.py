@@ -24,6 +24,7 @@ __all__ = [
     "resolve_device",
     "capturing",
     "sm_count",
+    "dependent_launch",
 ]
 
 
@@ -93,3 +94,14 @@ def sm_count(dev: torch.device) -> int:
     if dev.type == "cuda":
         return torch.cuda.get_device_properties(dev).multi_processor_count
     return NOMINAL_SMS
+
+
+def dependent_launch(dev: torch.device) -> bool:
+    """Whether compiled kernels on ``dev`` take programmatic dependent launches (NVIDIA sm_90 and
+    later; never in the Triton interpreter, which has no inline assembly)."""
+    return not triton_interpret() and _sm90(dev)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(dev: torch.device) -> bool:
+    return dev.type == "cuda" and IS_NVIDIA and torch.cuda.get_device_capability(dev)[0] >= 9

@@ -19,8 +19,8 @@ import torch
 from ... import platform
 from ..registry import Backend, forced_backend, needs_grad
 from .function import chunk_forward, chunk_kda_autograd, chunk_kda_vjp, plan_of
-from .plan import current_tuning, decode_plan, pow2
-from .recurrent import index_columns, recurrent_forward
+from .plan import current_tuning
+from .recurrent import decode_call, recurrent_forward
 from . import gate as gate_kernels
 
 MAX_DIM = platform.TRITON_MAX_DIM
@@ -67,12 +67,17 @@ class TritonBackend(Backend):
         if op == "chunk_kda":
             return plan_of(opts, inputs, train=needs_grad(inputs)).describe()
         if op == "fused_recurrent_kda":
-            h0 = inputs.initial_state
-            p = decode_plan(opts.shape.K, opts.shape.V, h0.element_size() if h0 is not None else 4, current_tuning())
-            return (f"decode plan: {p.BV} value columns per program ({p.launch.warps} warp"
-                    f"{'' if p.launch.warps == 1 else 's'})"
-                    + {0: "", 1: ", slot check kernel", 2: ", slot check in the decode programs"}[
-                        p.check(opts.pool, opts.shape.N * pow2(index_columns(inputs.ssm_state_indices), 1))])
+            h0, idx = inputs.initial_state, inputs.ssm_state_indices
+            c = decode_call(opts, None if h0 is None else (h0.shape, h0.stride(), h0.element_size()),
+                            None if idx is None else (idx.shape, idx.stride()), inputs.cu_seqlens is not None,
+                            inputs.A_log is not None, inputs.dt_bias is not None, opts.raise_on_bad_index,
+                            platform.resolve_device(inputs.q.device), current_tuning())
+            p, grid = c.plan, c.decode_grid
+            tiles = c.decode_kwargs.get("n_tiles", 0)
+            return (f"decode plan: tiles of {p.BV} value columns, {tiles} of them over {grid[0] if grid else 0} programs "
+                    f"({p.launch.warps} warp{'' if p.launch.warps == 1 else 's'} each)"
+                    + {0: "", 1: ", slot check kernel", 2: ", slot check in the decode programs"}[c.check]
+                    + (" (the decode kernel launched while it runs)" if c.check == 1 and p.pdl else ""))
         return None
 
     def chunk_kda(self, opts, inputs):

@@ -40,6 +40,17 @@ class Launch(NamedTuple):
         return kw
 
 
+class DecodeLaunch(NamedTuple):
+    """The decode kernel's tiles and programs: value columns per tile, warps, software-pipelining
+    stages of a program's loop over its tiles (calls of one token per sequence; 1: none), and at
+    most this many programs per SM (a call with more tiles gives each program several)."""
+
+    bv: int
+    warps: int
+    stages: int
+    programs_per_sm: int
+
+
 @dataclass(frozen=True)
 class Tuning:
     """Tuning defaults of the Triton kernels (K, V <= 128 unless said; wider features take at least
@@ -100,15 +111,16 @@ class Tuning:
     bwd_dg_slice: int = 64
     bwd_qk_rows: int = 16
     # decoding and the elementwise gate kernels
-    decode_bv: int = 64  # float32 states: 256-byte row segments, 32 KiB per program
-    decode_warps: int = 2
-    decode_bv_bf16: int = 32  # bfloat16 states: 64-byte row segments, 8 KiB per program
-    decode_warps_bf16: int = 1
-    decode_wide: tuple[int, int] = (32, 4)  # (BV, warps) for K > 128
+    # (value columns, warps, stages, programs per SM) of the decode kernel, by pool dtype and K
+    decode_f32: DecodeLaunch = DecodeLaunch(64, 2, 1, 32)  # float32 pools: 256-byte row segments
+    decode_bf16: DecodeLaunch = DecodeLaunch(32, 1, 1, 16)  # bfloat16 pools, K <= 64
+    decode_bf16_k128: DecodeLaunch = DecodeLaunch(64, 2, 2, 4)  # bfloat16 pools, 64 < K <= 128
+    decode_wide: DecodeLaunch = DecodeLaunch(32, 4, 1, 16)  # K > 128
     decode_check_rows: int = 1024  # sequences per step of the slot check kernel (each step waits on its loads)
     decode_check_warps: int = 8
     decode_inline_check: int = 32  # calls of at most this many index entries (<= 64): checked by the decode programs
     decode_slot_check: bool = True  # the device-side slot check (the write kernels bound slots anyway)
+    decode_pdl: bool = True  # the decode kernel starts while the check kernel runs
     gate_rows: int = 32
     # device facts (None: the device's own)
     sm_count: int | None = None
@@ -499,6 +511,13 @@ class DecodePlan(NamedTuple):
     check_launch: Launch
     inline_check: int
     slot_check: bool
+    pdl: bool  # a check kernel lets the decode kernel start early (programmatic dependent launch)
+    max_programs: int  # programs of the decode kernel, each looping over state tiles
+    stages: int  # of that loop, for calls of one token per sequence
+
+    def grid(self, tiles: int) -> tuple[int]:
+        """The decode kernel's grid for ``tiles`` (value block, sequence, value head) tiles."""
+        return (min(tiles, self.max_programs),)
 
     def inline_rows(self, cols: int) -> int:
         """The sequences a decode program checks itself (a power of two) for index rows of ``cols``
@@ -515,18 +534,21 @@ class DecodePlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def decode_plan(K: int, V: int, state_bytes: int, tuning: Tuning) -> DecodePlan:
+def decode_plan(K: int, V: int, state_bytes: int, tuning: Tuning, sms: int = platform.NOMINAL_SMS,
+                pdl: bool = False) -> DecodePlan:
     """The decode launch for K x V states of ``state_bytes`` per element (4, or 2 for a bfloat16
-    pool)."""
+    pool) on a device of ``sms`` SMs; ``pdl``: the device takes programmatic dependent launches
+    (compiled, sm_90 and later)."""
     BK = pow2(K)
     if BK > 128:
-        BV, warps = tuning.decode_wide
+        dl = tuning.decode_wide
+    elif state_bytes >= 4:
+        dl = tuning.decode_f32
     else:
-        BV, warps = ((tuning.decode_bv, tuning.decode_warps) if state_bytes >= 4 else
-                     (tuning.decode_bv_bf16, tuning.decode_warps_bf16))
-    BV = min(pow2(V), BV)
+        dl = tuning.decode_bf16_k128 if BK > 64 else tuning.decode_bf16
+    BV = min(pow2(V), dl.bv)
     if not 0 <= tuning.decode_inline_check <= 64:  # call_error compares [entries]^2 pairs in registers
         raise ValueError(f"Tuning.decode_inline_check must be in [0, 64], got {tuning.decode_inline_check}")
-    return DecodePlan(BK, BV, Launch(warps, None), tuning.decode_check_rows, Launch(tuning.decode_check_warps, None),
-                      tuning.decode_inline_check,
-                      tuning.decode_slot_check)
+    return DecodePlan(BK, BV, Launch(dl.warps, None), tuning.decode_check_rows, Launch(tuning.decode_check_warps, None),
+                      tuning.decode_inline_check, tuning.decode_slot_check, pdl and tuning.decode_pdl,
+                      sms * dl.programs_per_sm, dl.stages)

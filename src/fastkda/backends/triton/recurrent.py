@@ -15,24 +15,31 @@ device's sticky code: set by compare-and-swap (the first error stays), cleared o
 ``decode_error()`` (an atomic exchange). ``raise_on_bad_index=True`` reads the call's own code back
 (one synchronisation) and raises.
 
-One program per (value block of BV columns, sequence, value head); the float32 state tile
-[BK, BV] lives in registers for all tokens of the sequence, its load issued before anything else
-(the kernel is bound by the latency of that load). Pools are indexed through their strides, so a
-view of a wider cache is read and written where it lies.
+The decode kernel's programs loop over the call's tiles, one (value block of BV columns, sequence,
+value head) each, at most the plan's programs per SM (between a program that ends and one that
+starts, their SM's slot idles: short tiles lose a large share of the time to that).
+A tile's float32 state [BK, BV] lives in registers for all tokens of its sequence, its load issued
+before anything else (the kernel is bound by the latency of that load). Pools are indexed through
+their strides, so a view of a wider cache is read and written where it lies. A check kernel, when
+there is one, lets the decode kernel launch while it runs (programmatic dependent launch on sm_90
+and later); the decode programs wait for it before they read its code.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ... import platform
 from ...alloc import new_empty
-from .common import activate_gate, contiguous_inputs, gate_launch, launch, seq_grid, seq_program
-from .plan import current_tuning, decode_plan, pow2
+from .common import activate_gate, contiguous_inputs, gate_code, launch, seq_grid
+from .plan import DecodePlan, current_tuning, decode_plan, device_facts, pow2
 
 # error codes: 0 ok; otherwise kind + ERR_BASE * (sequence index)
 ERR_SLOT, ERR_ACCEPTED, ERR_TOKENS, ERR_SHARED = 1, 2, 3, 4
@@ -84,12 +91,15 @@ def rows_first_error(acc, o_n, m_n, L, b_idx, num_slots, COLS, SPEC: tl.constexp
 @triton.jit
 def kda_check_indices_kernel(idx, acc, cu_seqlens, scratch, sticky, N, T, num_slots, stride_idx, COLS,
                              BC: tl.constexpr, BN: tl.constexpr, SPEC: tl.constexpr, IS_VARLEN: tl.constexpr,
-                             KEEP: tl.constexpr, UNIQUE: tl.constexpr):
+                             KEEP: tl.constexpr, UNIQUE: tl.constexpr, PDL: tl.constexpr):
     """scratch[0] <- 0, or the error of the first sequence that has one (kind + ERR_BASE *
     sequence), BN sequences at a time. UNIQUE (an in-place call): every slot the call touches
     belongs to one sequence; scratch[1 + slot] (zeroed here first) takes the largest sequence + 1
     touching it, and every other sequence touching it has ERR_SHARED. KEEP (a call that will not
-    raise): the code also goes to sticky[0] unless that holds one already. One program."""
+    raise): the code also goes to sticky[0] unless that holds one already. One program. PDL: the
+    decode kernel may start at once (it waits for this one before it reads scratch)."""
+    if PDL:
+        gdc_launch_dependents()
     NONE: tl.constexpr = 2**31 - 1
     b_first = tl.full([BN], NONE, tl.int32)
     if UNIQUE:  # the owner table, all accesses atomic (at L2)
@@ -186,21 +196,23 @@ def spec_store(h0, idx, b_S, i_n, t, m_write, num_slots, stride_idx, COLS, strid
         tl.store(h0 + slot_t * stride_hs + i_hv * stride_hh + o_h, b_S.to(h0.dtype.element_ty), mask=m_h)
 
 
-@triton.jit(do_not_specialize=["N", "T", "num_slots"])
-def kda_recurrent_kernel(
-    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, scratch, sticky,
+@triton.jit
+def decode_tile(
+    w, q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, scratch, call_ok,
     scale, lower_bound, N, T, num_slots, stride_idx, COLS, stride_hs, stride_hh, stride_hk, stride_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, SIGMOID: tl.constexpr,
     BETA_SCALE: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, POOL: tl.constexpr, SPEC: tl.constexpr,
     INPLACE: tl.constexpr, V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, H_TILE: tl.constexpr,
-    CHECK: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr, KEEP: tl.constexpr,
+    CHECK: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr, ONE_TOKEN: tl.constexpr,
+    CHECK_HERE: tl.constexpr,
 ):
-    """CHECK (pool calls): 0 none, 1 the code kda_check_indices_kernel left in scratch[0], 2 this
-    program's own call_error over the call's N <= BN sequences (BN fixed by the columns, so that
-    the batch size compiles nothing new); program 0 then records it (sticky[0] with KEEP, else
-    scratch[0] for the host)."""
-    i_v, i_nh = seq_program(V, BV)
+    """Tile w (value block, sequence, value head) of a decode call: every token of the sequence on
+    its [BK, BV] state, the outputs and the states written where the call says. call_ok: the
+    call's check passed; CHECK_HERE: the tile reads or makes the call's check itself (then the
+    call's code is returned, else 0)."""
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_v, i_nh = tl.cast(w % NV, tl.int32), w // NV
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     o_k = tl.arange(0, BK)
@@ -243,37 +255,87 @@ def kda_recurrent_kernel(
     else:
         bos = i_n * T
         T_seq = T
-    live = m_slot
-    code = 0
-    if POOL:
-        if CHECK == 1:
-            live = live & (tl.load(scratch) == 0)
-        elif CHECK == 2:
-            code = call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC, IS_VARLEN,
-                              INPLACE)
-            live = live & (code == 0)
     p_o = o + (bos * HV + i_hv) * V + o_v
     # token 0 outside the loop: its loads then overlap the state's (a loop would wait for b_S first)
     m_t = T_seq > 0
     b_S, b_o = token_step(q, k, v, g, beta, A_log, dt_bias, b_S, bos, m_t, i_h, i_hv, o_k, o_v, m_k, m_v,
                           scale, lower_bound, H, HV, K, V, GATE, HAS_A, HAS_BIAS, L2NORM, SIGMOID, BETA_SCALE)
+    live = m_slot & call_ok
+    code = 0
+    if CHECK_HERE:  # after the tile's loads, whose latency the check then shares
+        if CHECK == 1:
+            if PDL:
+                gdc_wait()
+            live = live & (tl.load(scratch) == 0)
+        elif CHECK == 2:
+            code = call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC, IS_VARLEN,
+                              INPLACE)
+            live = live & (code == 0)
     tl.store(p_o, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v & m_t)
     if SPEC and INPLACE:
         spec_store(h0, idx, b_S, i_n, 0, m_t & live, num_slots, stride_idx, COLS, stride_hs, stride_hh, i_hv, o_h, m_h)
-    for t in range(1, T_seq):
-        b_S, b_o = token_step(q, k, v, g, beta, A_log, dt_bias, b_S, bos + t, True, i_h, i_hv, o_k, o_v, m_k, m_v,
-                              scale, lower_bound, H, HV, K, V, GATE, HAS_A, HAS_BIAS, L2NORM, SIGMOID, BETA_SCALE)
-        tl.store(p_o + t * HV * V, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
-        if SPEC and INPLACE:
-            spec_store(h0, idx, b_S, i_n, t, live, num_slots, stride_idx, COLS, stride_hs, stride_hh, i_hv, o_h, m_h)
+    if not ONE_TOKEN:
+        for t in range(1, T_seq):
+            b_S, b_o = token_step(q, k, v, g, beta, A_log, dt_bias, b_S, bos + t, True, i_h, i_hv, o_k, o_v, m_k,
+                                  m_v, scale, lower_bound, H, HV, K, V, GATE, HAS_A, HAS_BIAS, L2NORM, SIGMOID,
+                                  BETA_SCALE)
+            tl.store(p_o + t * HV * V, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
+            if SPEC and INPLACE:
+                spec_store(h0, idx, b_S, i_n, t, live, num_slots, stride_idx, COLS, stride_hs, stride_hh, i_hv, o_h,
+                           m_h)
 
     if INPLACE and not SPEC:
         if live & m_t:  # an empty sequence writes no slot (on the GPU, arithmetic on a NaN drops its payload)
             tl.store(h0 + slot0 * stride_hs + i_hv * stride_hh + o_h, b_S.to(h0.dtype.element_ty), mask=m_h)
     if STORE_HT:
         tl.store(ht + i_nh * K * V + o_ht, tl.where(live, b_S, 0.0), mask=m_h)
+    return code
+
+
+@triton.jit(do_not_specialize=["N", "T", "num_slots", "n_tiles", "NPROG"])
+def kda_recurrent_kernel(
+    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, scratch, sticky,
+    scale, lower_bound, N, T, num_slots, stride_idx, COLS, stride_hs, stride_hh, stride_hk, stride_hv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, SIGMOID: tl.constexpr,
+    BETA_SCALE: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, POOL: tl.constexpr, SPEC: tl.constexpr,
+    INPLACE: tl.constexpr, V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, H_TILE: tl.constexpr,
+    CHECK: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr,
+    ONE_TOKEN: tl.constexpr, ONE_TILE: tl.constexpr, n_tiles, NPROG, STAGES: tl.constexpr,
+):
+    """CHECK (pool calls): 0 none, 1 the code kda_check_indices_kernel left in scratch[0], 2 this
+    program's own call_error over the call's N <= BN sequences (BN fixed by the columns, so that
+    the batch size compiles nothing new); program 0 then records it (sticky[0] with KEEP, else
+    scratch[0] for the host). PDL (with CHECK 1): launched while the check kernel runs, which it
+    waits for before it reads scratch. ONE_TILE: a program per (value block, sequence, value head)
+    tile, which checks after its loads; else the NPROG programs loop over the n_tiles tiles,
+    checking first. ONE_TOKEN: one token per sequence (no token loop)."""
+    if ONE_TILE:
+        code = decode_tile(
+            tl.program_id(0).to(tl.int64), q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, scratch,
+            True, scale, lower_bound, N, T, num_slots, stride_idx, COLS, stride_hs, stride_hh, stride_hk, stride_hv,
+            H, HV, K, V, BK, BV, GATE, HAS_A, HAS_BIAS, L2NORM, SIGMOID, BETA_SCALE, USE_H0, STORE_HT, POOL, SPEC,
+            INPLACE, V_FIRST, IS_VARLEN, H_TILE, CHECK, BC, BN, PDL, ONE_TOKEN, True)
+    else:
+        code = 0
+        call_ok = True
+        if POOL:
+            if CHECK == 1:
+                if PDL:
+                    gdc_wait()
+                call_ok = tl.load(scratch) == 0
+            elif CHECK == 2:
+                code = call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC, IS_VARLEN,
+                                  INPLACE)
+                call_ok = code == 0
+        for w in tl.range(tl.program_id(0).to(tl.int64), n_tiles, NPROG, num_stages=STAGES):
+            decode_tile(
+                w, q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, scratch, call_ok, scale,
+                lower_bound, N, T, num_slots, stride_idx, COLS, stride_hs, stride_hh, stride_hk, stride_hv, H, HV, K,
+                V, BK, BV, GATE, HAS_A, HAS_BIAS, L2NORM, SIGMOID, BETA_SCALE, USE_H0, STORE_HT, POOL, SPEC, INPLACE,
+                V_FIRST, IS_VARLEN, H_TILE, CHECK, BC, BN, PDL, ONE_TOKEN, False)
     if CHECK == 2:  # program 0 records the call's code
-        if (i_v == 0) & (i_nh == 0):
+        if tl.program_id(0) == 0:
             if KEEP:
                 if code != 0:
                     tl.atomic_cas(sticky, 0, code)
@@ -337,75 +399,106 @@ def describe_error(code: int, num_slots: int | None = None, cols: int | None = N
     return f"`ssm_state_indices`: sequence {n} shares a pool slot with a later sequence of its call; {rule}"
 
 
-def _state_strides(h0, v_first: bool) -> tuple[dict, int]:
-    """The kernel's stride arguments of the state tensor (slot, head, key row, value column) and
-    its H_TILE: 0 when every slot's [K, V] (or [V, K]) is laid out densely, 1 other strides, 2
-    other strides whose offsets within a slot need 64 bits."""
-    if h0 is None:
+def _state_strides(shape, stride, v_first: bool) -> tuple[dict, int]:
+    """The kernel's stride arguments of a state tensor of this shape and stride (slot, head, key
+    row, value column; None: no state tensor) and its H_TILE: 0 when every slot's [K, V] (or
+    [V, K]) is laid out densely, 1 other strides, 2 other strides whose offsets within a slot
+    need 64 bits."""
+    if shape is None:
         return dict(stride_hs=0, stride_hh=0, stride_hk=0, stride_hv=0), 0
-    s_s, s_h, s_a, s_b = h0.stride()
+    s_s, s_h, s_a, s_b = stride
     s_k, s_v = (s_b, s_a) if v_first else (s_a, s_b)
-    n_a, n_b = h0.shape[2:]
+    n_a, n_b = shape[2:]
     strides = dict(stride_hs=s_s, stride_hh=s_h, stride_hk=s_k, stride_hv=s_v)
     if (n_b == 1 or s_b == 1) and (n_a == 1 or s_a == n_b):
         return strides, 0
-    span = sum((n - 1) * st for n, st in zip(h0.shape[1:], h0.stride()[1:]) if n > 0)
+    span = sum((n - 1) * st for n, st in zip(shape[1:], stride[1:]) if n > 0)
     return strides, 1 if span < 2**31 else 2
 
 
-def index_columns(idx) -> int:
-    """Slots per sequence of ``ssm_state_indices`` (1 + num_draft with speculative decoding)."""
-    return idx.shape[1] if (idx is not None and idx.ndim == 2) else 1
+class DecodeCall(NamedTuple):
+    """The host side of a decode call's launches, fixed by its options and layouts."""
+
+    plan: DecodePlan
+    check: int  # DecodePlan.check's answer
+    cols: int  # slots per sequence of the index rows
+    num_slots: int
+    check_kwargs: dict  # kda_check_indices_kernel's scalars, constexprs and launch options
+    decode_grid: tuple[int] | None  # None: no (sequence, value head) pair, nothing to launch
+    decode_kwargs: dict  # kda_recurrent_kernel's
+
+
+@functools.lru_cache(maxsize=256)
+def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen: bool, has_a: bool, has_bias: bool,
+                raises: bool, dev: torch.device, tuning) -> DecodeCall:
+    """The launches of a decode call: ``h0_layout`` (shape, stride, element size) of the state
+    tensor, ``idx_layout`` (shape, stride) of ssm_state_indices; ``raises``: the call reads its
+    check back. Cached: a decode loop repeats one layout."""
+    s = opts.shape
+    T, H, HV, K, V, N = s.T, s.H, s.HV, s.K, s.V, s.N
+    h0_shape, h0_stride, h0_bytes = h0_layout if h0_layout is not None else (None, None, 4)
+    plan = decode_plan(K, V, h0_bytes, tuning, device_facts(dev, tuning).sm_count, platform.dependent_launch(dev))
+    cols = idx_layout[0][1] if idx_layout is not None and len(idx_layout[0]) == 2 else 1
+    stride_idx = idx_layout[1][0] if idx_layout is not None else 0
+    num_slots = h0_shape[0] if h0_shape is not None else 0
+    bc = pow2(cols, 1)
+    check = plan.check(opts.pool, N * bc)  # 0: none (the decode kernel still bounds every slot)
+    pdl = plan.pdl and check == 1
+    scalars = dict(N=N, T=T, num_slots=num_slots, stride_idx=stride_idx, COLS=cols)
+    check_kwargs = dict(**scalars, BC=bc, BN=plan.check_rows, SPEC=opts.spec_decode, IS_VARLEN=varlen, KEEP=not raises,
+                        UNIQUE=opts.inplace_final_state, PDL=plan.pdl, **plan.check_launch.kwargs())
+    if N * HV == 0:
+        return DecodeCall(plan, check, cols, num_slots, check_kwargs, None, {})
+    strides, h_tile = _state_strides(h0_shape, h0_stride, opts.state_v_first)
+    one_token = not varlen and T == 1
+    n_tiles = seq_grid(V, plan.BV, N * HV)[0]
+    grid = plan.grid(n_tiles)
+    gate = dict(lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0, GATE=gate_code(opts.gate),
+                HAS_A=has_a, HAS_BIAS=has_bias)
+    decode_kwargs = dict(
+        scale=opts.scale, **scalars, **strides, H=H, HV=HV, K=K, V=V, BK=plan.BK, BV=plan.BV, **gate,
+        L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, USE_H0=h0_layout is not None,
+        STORE_HT=opts.output_final_state and not opts.inplace_final_state, POOL=opts.pool, SPEC=opts.spec_decode,
+        INPLACE=opts.inplace_final_state, V_FIRST=opts.state_v_first, IS_VARLEN=varlen, H_TILE=h_tile, CHECK=check,
+        BC=bc, BN=plan.inline_rows(bc) if check == 2 else 1, KEEP=not raises, PDL=pdl, ONE_TOKEN=one_token,
+        ONE_TILE=grid[0] == n_tiles, n_tiles=n_tiles, NPROG=grid[0], STAGES=plan.stages if one_token else 1,
+        launch_pdl=pdl,
+        **plan.launch.kwargs())
+    return DecodeCall(plan, check, cols, num_slots, check_kwargs, grid, decode_kwargs)
 
 
 def recurrent_forward(opts, x):
     s = opts.shape
-    B, T, H, HV, K, V, N = s.B, s.T, s.H, s.HV, s.K, s.V, s.N
     x = contiguous_inputs(x, keep=("initial_state",))  # the state is the caller's tensor, indexed by its strides
-    q, k, v, g, beta = x.q, x.k, x.v, x.g, x.beta
-    dev = q.device
-    h0 = x.initial_state
-    plan = decode_plan(K, V, h0.element_size() if h0 is not None else 4, current_tuning())
-    o = new_empty(B, T, HV, V, dtype=v.dtype, device=dev)
-    ht = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev) if (
-        opts.output_final_state and not opts.inplace_final_state) else None
-    idx, acc = x.ssm_state_indices, x.num_accepted_tokens
-    cols = index_columns(idx)
-    num_slots = h0.shape[0] if h0 is not None else 0
+    h0, idx, acc, cu = x.initial_state, x.ssm_state_indices, x.num_accepted_tokens, x.cu_seqlens
+    dev = x.q.device
     raises = opts.pool and opts.raise_on_bad_index and not platform.capturing(dev)  # reads the check back
+    rdev = platform.resolve_device(dev)
+    c = decode_call(opts, None if h0 is None else (h0.shape, h0.stride(), h0.element_size()),
+                    None if idx is None else (idx.shape, idx.stride()), cu is not None, x.A_log is not None,
+                    x.dt_bias is not None, raises, rdev, current_tuning())
+    o = new_empty(s.B, s.T, s.HV, s.V, dtype=x.v.dtype, device=dev)
+    ht = new_empty(s.N, s.HV, *opts.state_shape, dtype=torch.float32, device=dev) if (
+        opts.output_final_state and not opts.inplace_final_state) else None
     scratch = sticky = None
-    bc = pow2(cols, 1)
-    check = plan.check(opts.pool, N * bc)  # 0: none (the decode kernel still bounds every slot)
-    if check:
-        sticky = sticky_error(platform.resolve_device(dev)) if not raises else None
-    if check == 2:  # the decode programs check the call themselves
-        scratch = torch.empty(1, dtype=torch.int32, device=dev) if raises and N * HV > 0 else None
-    elif check == 1:  # this call's error code, then (in place) the owner of every slot
-        unique = opts.inplace_final_state
-        scratch = torch.empty(1 + (num_slots if unique else 0), dtype=torch.int32, device=dev)
-        launch(kda_check_indices_kernel, (1,),
-               idx, acc, x.cu_seqlens, scratch, sticky if not raises else scratch, N, T, num_slots,
-               idx.stride(0), cols, BC=bc, BN=plan.check_rows, SPEC=opts.spec_decode,
-               IS_VARLEN=x.cu_seqlens is not None, KEEP=not raises, UNIQUE=unique, **plan.check_launch.kwargs())
-    BK, BV = plan.BK, plan.BV
-    strides, h_tile = _state_strides(h0, opts.state_v_first)
-    if N * HV > 0:
-        launch(kda_recurrent_kernel, seq_grid(V, BV, N * HV),
-            q, k, v, g, beta, x.A_log, x.dt_bias, o, h0, ht, x.cu_seqlens, idx, acc, scratch, sticky,
-            scale=opts.scale, N=N, T=T, num_slots=num_slots, stride_idx=idx.stride(0) if idx is not None else 0,
-            COLS=cols, **strides, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **gate_launch(opts, x.A_log, x.dt_bias),
-            L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, USE_H0=h0 is not None,
-            STORE_HT=ht is not None, POOL=opts.pool, SPEC=opts.spec_decode, INPLACE=opts.inplace_final_state,
-            V_FIRST=opts.state_v_first, IS_VARLEN=x.cu_seqlens is not None, H_TILE=h_tile, CHECK=check, BC=bc,
-            BN=plan.inline_rows(bc) if check == 2 else 1, KEEP=not raises, **plan.launch.kwargs(),
-        )
+    if c.check:
+        sticky = sticky_error(rdev) if not raises else None
+    if c.check == 2:  # the decode programs check the call themselves
+        scratch = torch.empty(1, dtype=torch.int32, device=dev) if raises and c.decode_grid is not None else None
+    elif c.check == 1:  # this call's error code, then (in place) the owner of every slot
+        scratch = torch.empty(1 + (c.num_slots if opts.inplace_final_state else 0), dtype=torch.int32, device=dev)
+        launch(kda_check_indices_kernel, (1,), idx, acc, cu, scratch, sticky if not raises else scratch,
+               **c.check_kwargs)
+    if c.decode_grid is not None:
+        launch(kda_recurrent_kernel, c.decode_grid, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, o, h0, ht, cu, idx,
+               acc, scratch, sticky, **c.decode_kwargs)
     if raises and scratch is not None:
         code = int(scratch[0].item())
         if code:
             lens = None
             if code % ERR_BASE == ERR_SHARED:
-                lens = (x.cu_seqlens.diff().tolist() if x.cu_seqlens is not None else [T] * N)
-            raise ValueError(describe_error(code, num_slots, cols, idx, acc, lens) + "; nothing was written")
+                lens = (cu.diff().tolist() if cu is not None else [s.T] * s.N)
+            raise ValueError(describe_error(code, c.num_slots, c.cols, idx, acc, lens) + "; nothing was written")
     if opts.inplace_final_state:
         return o, x.initial_state
     return o, ht
