@@ -244,6 +244,21 @@ def test_decode_grid():
     assert P.decode_plan(128, 128, 4, few, sms=10).grid(10**6) == (20,)
 
 
+def test_decode_choice():
+    """What a decode call launches: a large pool call the check kernel first and, where the device
+    takes it, the decode kernel as a dependent launch, its programs looping over the tiles (the
+    loop pipelined only for one token per sequence); a small one a program per tile checking the
+    call itself."""
+    bf16 = P.decode_plan(128, 128, 2, P.Tuning(), sms=132, pdl=True)
+    big = bf16.choose(True, 4096, 1, True, 10**6)
+    assert (big.check, big.dependent, big.grid, big.one_tile, big.stages) == (1, True, (132 * 4,), False, 2)
+    assert bf16.choose(True, 4096, 1, False, 10**6).stages == 1
+    assert not P.decode_plan(128, 128, 2, P.Tuning(), sms=132, pdl=False).choose(True, 4096, 1, True, 8).dependent
+    small = bf16.choose(True, 3, 1, True, 24)
+    assert (small.check, small.dependent, small.grid, small.one_tile, small.check_rows) == (2, False, (24,), True, 32)
+    assert bf16.choose(False, 3, 1, True, 24).check == 0
+
+
 def test_decode_inline_rows():
     """The decode programs' own check covers 32 index entries: 32 sequences of one column, 4 of 8;
     decode_inline_check beyond 64 (whose [entries]^2 comparison would not fit registers) is refused."""

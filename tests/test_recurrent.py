@@ -534,10 +534,11 @@ def test_empty_pool_all_padding(backend, rng):
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("mode", ["decode-bf16", "varlen-bf16", "spec", "final-state"])
-def test_few_programs_loop_over_every_tile(mode, rng, tune, check_path):
-    """Two decode programs, each looping over half of the call's (value block, sequence, head)
-    tiles (pipelined on a bfloat16 pool with one token per sequence), give the one-program-per-tile
-    results bit for bit (outputs, pool, final states), and a bad index still writes nothing."""
+def test_few_programs_loop_over_every_tile(mode, rng, tune, check_path, launch_log):
+    """Three decode programs, each looping over a third of the call's (value block, sequence, head)
+    tiles (20 or 40: an uneven split), give the one-program-per-tile results bit for bit (outputs,
+    pool, final states), and a bad index still writes nothing; the loop pipelined (a bfloat16 pool,
+    one token per sequence) within float32 rounding."""
     from fastkda.backends.triton.plan import DecodeLaunch, tuned
 
     spec, varlen = mode == "spec", mode == "varlen-bf16"
@@ -563,15 +564,20 @@ def test_few_programs_loop_over_every_tile(mode, rng, tune, check_path):
         return o, pool, final
 
     o1, pool1, final1 = run()
-    few = dict(sm_count=1, decode_f32=DecodeLaunch(64, 2, 1, 1), decode_bf16=DecodeLaunch(32, 1, 1, 2))
+    assert launch_log[-1].args["ONE_TILE"]
+    few = dict(sm_count=1, decode_f32=DecodeLaunch(64, 2, 1, 3), decode_bf16=DecodeLaunch(32, 1, 1, 3))
     o2, pool2, final2 = run(**few)
+    last = launch_log[-1]
+    assert last.name == "kda_recurrent_kernel" and last.grid == (3,) and not last.args["ONE_TILE"]
+    assert last.args["n_tiles"] in (20, 40)
     assert torch.equal(o1, o2) and torch.equal(pool1, pool2)
     if mode == "final-state":
         assert torch.equal(final1, final2)
     else:
         assert not torch.equal(pool1, pool0)
     if mode == "decode-bf16":  # the pipelined loop: float32 sums in another order, then the same rounding
-        o3, pool3, _ = run(sm_count=1, decode_bf16=DecodeLaunch(32, 1, 2, 2))
+        o3, pool3, _ = run(sm_count=1, decode_bf16=DecodeLaunch(32, 1, 2, 3))
+        assert launch_log[-1].args["STAGES"] == 2
         assert rel_rms(o3, o1) < 1e-5 and rel_rms(pool3, pool1) < 1e-4
     bad = kw["ssm_state_indices"].clone()
     bad.view(-1)[-1] = num_slots

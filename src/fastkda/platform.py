@@ -104,4 +104,11 @@ def dependent_launch(dev: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _sm90(dev: torch.device) -> bool:
-    return dev.type == "cuda" and IS_NVIDIA and torch.cuda.get_device_capability(dev)[0] >= 9
+    """An NVIDIA sm_90+ device, with a Triton that has the grid dependency controls."""
+    if dev.type != "cuda" or not IS_NVIDIA or torch.cuda.get_device_capability(dev)[0] < 9:
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -68,16 +68,16 @@ class TritonBackend(Backend):
             return plan_of(opts, inputs, train=needs_grad(inputs)).describe()
         if op == "fused_recurrent_kda":
             h0, idx = inputs.initial_state, inputs.ssm_state_indices
+            dev = platform.resolve_device(inputs.q.device)
             c = decode_call(opts, None if h0 is None else (h0.shape, h0.stride(), h0.element_size()),
                             None if idx is None else (idx.shape, idx.stride()), inputs.cu_seqlens is not None,
-                            inputs.A_log is not None, inputs.dt_bias is not None, opts.raise_on_bad_index,
-                            platform.resolve_device(inputs.q.device), current_tuning())
-            p, grid = c.plan, c.decode_grid
-            tiles = c.decode_kwargs.get("n_tiles", 0)
-            return (f"decode plan: tiles of {p.BV} value columns, {tiles} of them over {grid[0] if grid else 0} programs "
+                            inputs.A_log is not None, inputs.dt_bias is not None, opts.raise_on_bad_index, dev,
+                            platform.dependent_launch(dev), current_tuning())
+            p, ch = c.plan, c.choice
+            return (f"decode plan: tiles of {p.BV} value columns, {c.n_tiles} of them over {ch.grid[0]} programs "
                     f"({p.launch.warps} warp{'' if p.launch.warps == 1 else 's'} each)"
-                    + {0: "", 1: ", slot check kernel", 2: ", slot check in the decode programs"}[c.check]
-                    + (" (the decode kernel launched while it runs)" if c.check == 1 and p.pdl else ""))
+                    + {0: "", 1: ", slot check kernel", 2: ", slot check in the decode programs"}[ch.check]
+                    + (" (the decode kernel launched while it runs)" if ch.dependent else ""))
         return None
 
     def chunk_kda(self, opts, inputs):

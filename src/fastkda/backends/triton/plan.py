@@ -503,6 +503,17 @@ def chunk_plan(opts: KDAOptions, dtype: torch.dtype, train: bool, chunks: int, d
 # decoding
 
 
+class DecodeChoice(NamedTuple):
+    """What a decode call of given sizes launches (DecodePlan.choose)."""
+
+    check: int  # 0 no index check, 1 the check kernel first, 2 in the decode programs
+    dependent: bool  # the decode kernel launched while the check kernel runs
+    grid: tuple[int]
+    one_tile: bool  # a program per tile (no loop over tiles)
+    stages: int  # of the loop over tiles
+    check_rows: int  # sequences a decode program checks itself (check 2)
+
+
 class DecodePlan(NamedTuple):
     BK: int
     BV: int
@@ -518,6 +529,14 @@ class DecodePlan(NamedTuple):
     def grid(self, tiles: int) -> tuple[int]:
         """The decode kernel's grid for ``tiles`` (value block, sequence, value head) tiles."""
         return (min(tiles, self.max_programs),)
+
+    def choose(self, pool: bool, entries: int, cols: int, one_token: bool, tiles: int) -> DecodeChoice:
+        """The launches of a call with ``entries`` index entries (sequences x ``cols``, the padded
+        columns), ``tiles`` state tiles; ``one_token``: one token per sequence."""
+        check = self.check(pool, entries)
+        grid = self.grid(tiles)
+        return DecodeChoice(check, self.pdl and check == 1, grid, grid[0] == tiles, self.stages if one_token else 1,
+                            self.inline_rows(cols) if check == 2 else 1)
 
     def inline_rows(self, cols: int) -> int:
         """The sequences a decode program checks itself (a power of two) for index rows of ``cols``

@@ -29,17 +29,23 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # programmatic dependent launch (platform.dependent_launch says whether a device takes it)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without it: the kernels never reach these calls (PDL stays False)
+    gdc_launch_dependents = gdc_wait = None
 
 from ... import platform
 from ...alloc import new_empty
-from .common import activate_gate, contiguous_inputs, gate_code, launch, seq_grid
-from .plan import DecodePlan, current_tuning, decode_plan, device_facts, pow2
+from .common import activate_gate, contiguous_inputs, gate_launch, launch, seq_grid
+from .plan import DecodeChoice, DecodePlan, current_tuning, decode_plan, device_facts, pow2
 
 # error codes: 0 ok; otherwise kind + ERR_BASE * (sequence index)
 ERR_SLOT, ERR_ACCEPTED, ERR_TOKENS, ERR_SHARED = 1, 2, 3, 4
@@ -420,51 +426,48 @@ class DecodeCall(NamedTuple):
     """The host side of a decode call's launches, fixed by its options and layouts."""
 
     plan: DecodePlan
-    check: int  # DecodePlan.check's answer
+    choice: DecodeChoice
     cols: int  # slots per sequence of the index rows
     num_slots: int
-    check_kwargs: dict  # kda_check_indices_kernel's scalars, constexprs and launch options
-    decode_grid: tuple[int] | None  # None: no (sequence, value head) pair, nothing to launch
-    decode_kwargs: dict  # kda_recurrent_kernel's
+    n_tiles: int  # 0: no (sequence, value head) pair, no decode launch
+    check_kwargs: Mapping  # kda_check_indices_kernel's scalars, constexprs and launch options
+    decode_kwargs: Mapping  # kda_recurrent_kernel's
 
 
 @functools.lru_cache(maxsize=256)
 def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen: bool, has_a: bool, has_bias: bool,
-                raises: bool, dev: torch.device, tuning) -> DecodeCall:
+                raises: bool, dev: torch.device, dependent_launch: bool, tuning) -> DecodeCall:
     """The launches of a decode call: ``h0_layout`` (shape, stride, element size) of the state
     tensor, ``idx_layout`` (shape, stride) of ssm_state_indices; ``raises``: the call reads its
-    check back. Cached: a decode loop repeats one layout."""
+    check back; ``dependent_launch``: the device takes programmatic dependent launches. Cached: a
+    decode loop repeats one layout."""
     s = opts.shape
     T, H, HV, K, V, N = s.T, s.H, s.HV, s.K, s.V, s.N
     h0_shape, h0_stride, h0_bytes = h0_layout if h0_layout is not None else (None, None, 4)
-    plan = decode_plan(K, V, h0_bytes, tuning, device_facts(dev, tuning).sm_count, platform.dependent_launch(dev))
+    plan = decode_plan(K, V, h0_bytes, tuning, device_facts(dev, tuning).sm_count, dependent_launch)
     cols = idx_layout[0][1] if idx_layout is not None and len(idx_layout[0]) == 2 else 1
     stride_idx = idx_layout[1][0] if idx_layout is not None else 0
     num_slots = h0_shape[0] if h0_shape is not None else 0
     bc = pow2(cols, 1)
-    check = plan.check(opts.pool, N * bc)  # 0: none (the decode kernel still bounds every slot)
-    pdl = plan.pdl and check == 1
+    n_tiles = seq_grid(V, plan.BV, N * HV)[0]
+    one_token = not varlen and T == 1
+    c = plan.choose(opts.pool, N * bc, bc, one_token, n_tiles)
     scalars = dict(N=N, T=T, num_slots=num_slots, stride_idx=stride_idx, COLS=cols)
     check_kwargs = dict(**scalars, BC=bc, BN=plan.check_rows, SPEC=opts.spec_decode, IS_VARLEN=varlen, KEEP=not raises,
-                        UNIQUE=opts.inplace_final_state, PDL=plan.pdl, **plan.check_launch.kwargs())
-    if N * HV == 0:
-        return DecodeCall(plan, check, cols, num_slots, check_kwargs, None, {})
+                        UNIQUE=opts.inplace_final_state, PDL=c.dependent, **plan.check_launch.kwargs())
+    if n_tiles == 0:
+        return DecodeCall(plan, c, cols, num_slots, 0, MappingProxyType(check_kwargs), MappingProxyType({}))
     strides, h_tile = _state_strides(h0_shape, h0_stride, opts.state_v_first)
-    one_token = not varlen and T == 1
-    n_tiles = seq_grid(V, plan.BV, N * HV)[0]
-    grid = plan.grid(n_tiles)
-    gate = dict(lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0, GATE=gate_code(opts.gate),
-                HAS_A=has_a, HAS_BIAS=has_bias)
     decode_kwargs = dict(
-        scale=opts.scale, **scalars, **strides, H=H, HV=HV, K=K, V=V, BK=plan.BK, BV=plan.BV, **gate,
+        scale=opts.scale, **scalars, **strides, H=H, HV=HV, K=K, V=V, BK=plan.BK, BV=plan.BV,
+        **gate_launch(opts, has_a or None, has_bias or None),  # (the parameters' presence only)
         L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, USE_H0=h0_layout is not None,
         STORE_HT=opts.output_final_state and not opts.inplace_final_state, POOL=opts.pool, SPEC=opts.spec_decode,
-        INPLACE=opts.inplace_final_state, V_FIRST=opts.state_v_first, IS_VARLEN=varlen, H_TILE=h_tile, CHECK=check,
-        BC=bc, BN=plan.inline_rows(bc) if check == 2 else 1, KEEP=not raises, PDL=pdl, ONE_TOKEN=one_token,
-        ONE_TILE=grid[0] == n_tiles, n_tiles=n_tiles, NPROG=grid[0], STAGES=plan.stages if one_token else 1,
-        launch_pdl=pdl,
+        INPLACE=opts.inplace_final_state, V_FIRST=opts.state_v_first, IS_VARLEN=varlen, H_TILE=h_tile,
+        CHECK=c.check, BC=bc, BN=c.check_rows, KEEP=not raises, PDL=c.dependent, ONE_TOKEN=one_token,
+        ONE_TILE=c.one_tile, n_tiles=n_tiles, NPROG=c.grid[0], STAGES=c.stages, launch_pdl=c.dependent,
         **plan.launch.kwargs())
-    return DecodeCall(plan, check, cols, num_slots, check_kwargs, grid, decode_kwargs)
+    return DecodeCall(plan, c, cols, num_slots, n_tiles, MappingProxyType(check_kwargs), MappingProxyType(decode_kwargs))
 
 
 def recurrent_forward(opts, x):
@@ -476,21 +479,22 @@ def recurrent_forward(opts, x):
     rdev = platform.resolve_device(dev)
     c = decode_call(opts, None if h0 is None else (h0.shape, h0.stride(), h0.element_size()),
                     None if idx is None else (idx.shape, idx.stride()), cu is not None, x.A_log is not None,
-                    x.dt_bias is not None, raises, rdev, current_tuning())
+                    x.dt_bias is not None, raises, rdev, platform.dependent_launch(rdev), current_tuning())
+    check = c.choice.check
     o = new_empty(s.B, s.T, s.HV, s.V, dtype=x.v.dtype, device=dev)
     ht = new_empty(s.N, s.HV, *opts.state_shape, dtype=torch.float32, device=dev) if (
         opts.output_final_state and not opts.inplace_final_state) else None
     scratch = sticky = None
-    if c.check:
+    if check:
         sticky = sticky_error(rdev) if not raises else None
-    if c.check == 2:  # the decode programs check the call themselves
-        scratch = torch.empty(1, dtype=torch.int32, device=dev) if raises and c.decode_grid is not None else None
-    elif c.check == 1:  # this call's error code, then (in place) the owner of every slot
+    if check == 2:  # the decode programs check the call themselves
+        scratch = torch.empty(1, dtype=torch.int32, device=dev) if raises and c.n_tiles > 0 else None
+    elif check == 1:  # this call's error code, then (in place) the owner of every slot
         scratch = torch.empty(1 + (c.num_slots if opts.inplace_final_state else 0), dtype=torch.int32, device=dev)
         launch(kda_check_indices_kernel, (1,), idx, acc, cu, scratch, sticky if not raises else scratch,
                **c.check_kwargs)
-    if c.decode_grid is not None:
-        launch(kda_recurrent_kernel, c.decode_grid, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, o, h0, ht, cu, idx,
+    if c.n_tiles > 0:
+        launch(kda_recurrent_kernel, c.choice.grid, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, o, h0, ht, cu, idx,
                acc, scratch, sticky, **c.decode_kwargs)
     if raises and scratch is not None:
         code = int(scratch[0].item())
