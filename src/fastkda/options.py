@@ -482,11 +482,12 @@ _RECURRENT_SEEN: dict = {}
 _RECURRENT_SEEN_MAX = 256
 
 
-def _layout(t) -> tuple | None:
+def _layout(t: torch.Tensor) -> tuple:
     return (t.shape, t.dtype, t.device)
 
 
-def _recurrent_key(tensors: tuple, flags: tuple, scalars: tuple, cu_seqlens, initial_state, check_values) -> tuple | None:
+def _recurrent_key(tensors: tuple, flags: tuple, scalars: tuple, cu_seqlens, initial_state,
+                   check_values) -> tuple | None:
     """What the checks of a recurrent call read, or None when they read more (a value: a CPU
     cu_seqlens, a tensor scale) or raise on a type, which the full path then reports."""
     if any(type(f) is not bool for f in flags) or any(

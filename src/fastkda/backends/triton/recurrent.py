@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
@@ -430,8 +428,9 @@ class DecodeCall(NamedTuple):
     cols: int  # slots per sequence of the index rows
     num_slots: int
     n_tiles: int  # 0: no (sequence, value head) pair, no decode launch
-    check_kwargs: Mapping  # kda_check_indices_kernel's scalars, constexprs and launch options
-    decode_kwargs: Mapping  # kda_recurrent_kernel's
+    # read only (shared by every call of the layout; plain dicts: the fastest to unpack)
+    check_kwargs: dict  # kda_check_indices_kernel's scalars, constexprs and launch options
+    decode_kwargs: dict  # kda_recurrent_kernel's
 
 
 @functools.lru_cache(maxsize=256)
@@ -456,7 +455,7 @@ def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen:
     check_kwargs = dict(**scalars, BC=bc, BN=plan.check_rows, SPEC=opts.spec_decode, IS_VARLEN=varlen, KEEP=not raises,
                         UNIQUE=opts.inplace_final_state, PDL=c.dependent, **plan.check_launch.kwargs())
     if n_tiles == 0:
-        return DecodeCall(plan, c, cols, num_slots, 0, MappingProxyType(check_kwargs), MappingProxyType({}))
+        return DecodeCall(plan, c, cols, num_slots, 0, check_kwargs, {})
     strides, h_tile = _state_strides(h0_shape, h0_stride, opts.state_v_first)
     decode_kwargs = dict(
         scale=opts.scale, **scalars, **strides, H=H, HV=HV, K=K, V=V, BK=plan.BK, BV=plan.BV,
@@ -467,7 +466,7 @@ def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen:
         CHECK=c.check, BC=bc, BN=c.check_rows, KEEP=not raises, PDL=c.dependent, ONE_TOKEN=one_token,
         ONE_TILE=c.one_tile, n_tiles=n_tiles, NPROG=c.grid[0], STAGES=c.stages, launch_pdl=c.dependent,
         **plan.launch.kwargs())
-    return DecodeCall(plan, c, cols, num_slots, n_tiles, MappingProxyType(check_kwargs), MappingProxyType(decode_kwargs))
+    return DecodeCall(plan, c, cols, num_slots, n_tiles, check_kwargs, decode_kwargs)
 
 
 def recurrent_forward(opts, x):
