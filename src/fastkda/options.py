@@ -518,7 +518,8 @@ def recurrent_options(
         (output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
          state_v_first, inplace_final_state, raise_on_bad_index), (scale, lower_bound), cu_seqlens, initial_state,
         check_values)
-    opts, cu_host = _RECURRENT_SEEN.get(key) if key is not None else None, None
+    opts = _RECURRENT_SEEN.get(key) if key is not None else None
+    cu_host = None  # keyed calls have no host copy of cu_seqlens
     if opts is None:
         opts, cu_host = _recurrent_checked(
             q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
@@ -530,7 +531,7 @@ def recurrent_options(
         if key is not None:
             if len(_RECURRENT_SEEN) >= _RECURRENT_SEEN_MAX:
                 _RECURRENT_SEEN.clear()
-            _RECURRENT_SEEN[key] = opts  # keyed calls have no host copy of cu_seqlens
+            _RECURRENT_SEEN[key] = opts
     pregated = opts.gate is GateMode.PREGATED
     inputs = KDAInputs(q, k, v, g, beta, None if pregated else A_log, None if pregated else dt_bias, initial_state,
                        cu_seqlens, cu_host, ssm_state_indices, num_accepted_tokens)

@@ -19,8 +19,7 @@ import torch
 from ... import platform
 from ..registry import Backend, forced_backend, needs_grad
 from .function import chunk_forward, chunk_kda_autograd, chunk_kda_vjp, plan_of
-from .plan import current_tuning
-from .recurrent import decode_call, recurrent_forward
+from .recurrent import decode_call_of, recurrent_forward
 from . import gate as gate_kernels
 
 MAX_DIM = platform.TRITON_MAX_DIM
@@ -67,12 +66,8 @@ class TritonBackend(Backend):
         if op == "chunk_kda":
             return plan_of(opts, inputs, train=needs_grad(inputs)).describe()
         if op == "fused_recurrent_kda":
-            h0, idx = inputs.initial_state, inputs.ssm_state_indices
-            dev = platform.resolve_device(inputs.q.device)
-            c = decode_call(opts, None if h0 is None else (h0.shape, h0.stride(), h0.element_size()),
-                            None if idx is None else (idx.shape, idx.stride()), inputs.cu_seqlens is not None,
-                            inputs.A_log is not None, inputs.dt_bias is not None, opts.raise_on_bad_index, dev,
-                            platform.dependent_launch(dev), current_tuning())
+            c = decode_call_of(opts, inputs, opts.pool and opts.raise_on_bad_index,
+                               platform.resolve_device(inputs.q.device))
             p, ch = c.plan, c.choice
             return (f"decode plan: tiles of {p.BV} value columns, {c.n_tiles} of them over {ch.grid[0]} programs "
                     f"({p.launch.warps} warp{'' if p.launch.warps == 1 else 's'} each)"

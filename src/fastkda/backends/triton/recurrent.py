@@ -469,6 +469,15 @@ def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen:
     return DecodeCall(plan, c, cols, num_slots, n_tiles, check_kwargs, decode_kwargs)
 
 
+def decode_call_of(opts, x, raises: bool, dev: torch.device) -> DecodeCall:
+    """decode_call for the inputs ``x`` on ``dev`` (resolved), under the tuning in force."""
+    h0, idx = x.initial_state, x.ssm_state_indices
+    return decode_call(opts, None if h0 is None else (h0.shape, h0.stride(), h0.element_size()),
+                       None if idx is None else (idx.shape, idx.stride()), x.cu_seqlens is not None,
+                       x.A_log is not None, x.dt_bias is not None, raises, dev, platform.dependent_launch(dev),
+                       current_tuning())
+
+
 def recurrent_forward(opts, x):
     s = opts.shape
     x = contiguous_inputs(x, keep=("initial_state",))  # the state is the caller's tensor, indexed by its strides
@@ -476,9 +485,7 @@ def recurrent_forward(opts, x):
     dev = x.q.device
     raises = opts.pool and opts.raise_on_bad_index and not platform.capturing(dev)  # reads the check back
     rdev = platform.resolve_device(dev)
-    c = decode_call(opts, None if h0 is None else (h0.shape, h0.stride(), h0.element_size()),
-                    None if idx is None else (idx.shape, idx.stride()), cu is not None, x.A_log is not None,
-                    x.dt_bias is not None, raises, rdev, platform.dependent_launch(rdev), current_tuning())
+    c = decode_call_of(opts, x, raises, rdev)
     check = c.choice.check
     o = new_empty(s.B, s.T, s.HV, s.V, dtype=x.v.dtype, device=dev)
     ht = new_empty(s.N, s.HV, *opts.state_shape, dtype=torch.float32, device=dev) if (
