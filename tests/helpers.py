@@ -119,7 +119,7 @@ __all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_sc
            "math"]
 
 
-FORMS = {"small": 1, "huge": 0, "front": 0, "edge": 1}
+FORMS = {"small": 1, "huge": 0, "front": 0, "edge": 1, "near": 1}
 
 
 def forced_gates(x: dict, C: int, layout) -> set:
@@ -130,8 +130,10 @@ def forced_gates(x: dict, C: int, layout) -> set:
     10^4 whose differences are of order one, where float32 differences of the sums lose precision;
     the levels) or "edge" (with a lower bound of -8: the first 8 tokens at the bound, the rest near 0,
     a middle-anchor exponent of 11.5 * 8 = 92 <= 96 in base 2 and differences of order one next to
-    sums near 92; the middle anchor). Returns the forms of the chunks of at least 16 tokens (1:
-    middle anchor, 0: levels)."""
+    sums near 92; the middle anchor) or "near" (with a lower bound of -8: tokens 4..8 at the bound,
+    the rest near 0: a middle-anchor exponent of 11.5 * 5 = 57.7, just within the short path's 2^60
+    for 16-token chunks; the middle anchor). Returns the forms of the chunks of at least 16 tokens
+    (1: middle anchor, 0: levels; as the chunk-wide path's 96 decides them)."""
     g, T = x["g"], x["g"].shape[1]
     forms = set()
     with torch.no_grad():
@@ -142,6 +144,9 @@ def forced_gates(x: dict, C: int, layout) -> set:
                 g[:, rows] = 30.0 + g[:, rows].abs()
             elif kind == "small":
                 g[:, rows] = -30.0 - g[:, rows].abs()
+            elif kind == "near":
+                g[:, rows] = -30.0 - g[:, rows].abs()
+                g[:, t0 + 4:t0 + 9] = 30.0 + g[:, t0 + 4:t0 + 9].abs()
             elif kind == "front":
                 g[:, t0 + 4:t0 + C] -= 1.0
                 g[:, t0:t0 + 4] = 30.0 + g[:, t0:t0 + 4].abs()

@@ -319,6 +319,104 @@ ANY_GATE = {  # unbounded gates (inference): (case, raw gates chunk by chunk, cy
 }
 
 
+SHORT_EXTRA = {  # beside AXES (pre-gated ones made bounded: the short path takes non-positive gates only)
+    "k48_v40": WHOLE_EXTRA["k48_v40"],
+    "ragged_varlen_gva": WHOLE_EXTRA["ragged_varlen_gva"],
+    "fp16_safe_gva": Case(seqlens=(17, 0, 40), H=2, HV=4, gate="safe", dtype=torch.float16, l2norm=True),
+    "bf16_softplus_vfirst": Case(T=70, gate="softplus", dtype=torch.bfloat16, state_v_first=True, beta_sigmoid=True),
+}
+
+
+def short_case(axis: str) -> Case:
+    case = grow(AXES[axis], GPU) if axis in AXES else SHORT_EXTRA[axis]
+    return bounded(case) if case.gate == "pregated" else case
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("axis", [*AXES, *SHORT_EXTRA])
+def test_short_path(axis, rng, tune, launch_log):
+    """The short path (stage 1 in one kernel over 16-token chunks, the scan stepping 16 tokens), on
+    every axis, against the reference; forced here (the plan takes it from 48 sequence x value-head
+    pairs on). Its launches: the short kernel and the scan, nothing of the chunk-wide stage 1; u from
+    the scan (X kept) except for float16 inputs."""
+    tune(short_min_pairs=1)
+    case = short_case(axis)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    with use_backend("triton"), torch.no_grad():
+        o, s = chunk_kda(**x, chunk_size=case.chunk_size)
+    names = [e.name for e in launch_log]
+    assert names == ["kda_fwd_short_kernel", "kda_fwd_scan_kernel"] or (names == [] and x["q"].shape[1] == 0), names
+    scan = launch_log[-1]
+    assert scan.args["C"] == 16
+    assert (scan.args["u"] is None) == (case.dtype != torch.float16)
+    o_ref, s_ref = reference(x)
+    tol = tol_for(case.dtype, "triton")
+    check("o", o, o_ref, tol)
+    if case.final_state:
+        check("final_state", s, s_ref, tol)
+
+
+SHORT_ANY_GATE = {  # (case, raw gates forced 16-token chunk by chunk, grown on the GPU tier): "small" and
+    # "near" (an exponent of 57.7, just within 2^60) take the middle anchor; "huge", "front" and "edge"
+    # (at a bound of -8: 92) the half-segment levels
+    "softplus_mixed": (Case(T=112, gate="softplus", A_log_range=(0.0, 2.0)), ("small", "huge", "front"), True),
+    "lowerbound_edge_near": (Case(T=96, gate="lowerbound", lower_bound=-8.0, A_log_range=(0.0, 1.0)),
+                             ("edge", "near", "small"), True),
+    "softplus_bf16_varlen_gva": (Case(seqlens=(40, 1, 0, 70), H=2, HV=4, gate="softplus", dtype=torch.bfloat16,
+                                      l2norm=True, A_log_range=(0.0, 2.0)), ("huge", "small", "front"), True),
+    "softplus_fp16_k48": (Case(T=64, K=48, V=40, gate="softplus", dtype=torch.float16, A_log_range=(2.0, 4.0)),
+                          ("front", "small"), True),
+    # kept small on the GPU tier too: a partial last chunk and K = 48 on the levels
+    "softplus_partial_k48": (Case(T=70, K=48, V=40, gate="softplus", A_log_range=(2.0, 4.0), state_v_first=True),
+                             ("huge", "front"), False),
+}
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("heads_first", [True, False])
+@pytest.mark.parametrize("axis", list(SHORT_ANY_GATE))
+def test_short_path_any_gate(axis, heads_first, rng, tune, launch_log):
+    """Unbounded gates on the short path: each 16-token chunk takes the middle anchor or, where its
+    factors would pass 2^60, the half-segment levels; every exponent built from sums of the gates
+    it spans. float32 inputs at float32's precision. ``heads_first``: the order of the programs
+    (Tuning.heads_first)."""
+    tune(short_min_pairs=1, heads_first=heads_first)
+    base, layout, grown = SHORT_ANY_GATE[axis]
+    case = grow(base, GPU) if grown else base
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    forced_gates(x, 16, layout)
+    with use_backend("triton"), torch.no_grad():
+        o, s = chunk_kda(**x, chunk_size=case.chunk_size)
+    short = [e.args["HEADS_FIRST"] for e in launch_log if e.name == "kda_fwd_short_kernel"]
+    assert short == [heads_first], short
+    o_ref, s_ref = reference(x)
+    tol = tol_for(case.dtype, "triton")
+    exact = 1e-6 if case.dtype == torch.float32 else tol
+    check("o", o, o_ref, exact)
+    if case.final_state:
+        check("final_state", s, s_ref, exact)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+def test_short_path_not_where_it_does_not_apply(rng, tune, launch_log):
+    """Forced on, the short path still leaves alone: training, intermediate states (chunk-sized),
+    pre-gated unbounded gates, keys or values wider than 128."""
+    tune(short_min_pairs=1)
+    cases = {"train": Case(T=40, gate="safe"), "intermediate": Case(T=40, gate="safe"), "pregated": Case(T=40),
+             "k256": WHOLE_EXTRA["k256"], "v256": Case(T=40, K=64, V=256, gate="safe")}
+    for name, case in cases.items():
+        x = make_inputs(case, device=DEVICE, generator=rng, requires_grad=name == "train")
+        with use_backend("triton"):
+            if name == "intermediate":
+                with torch.inference_mode():
+                    chunk_kda(**x, return_intermediate_states=True)
+            else:
+                chunk_kda(**x)
+        assert not launched(launch_log, "kda_fwd_short_kernel"), name
+        assert launched(launch_log, "kda_fwd_gates_kernel"), name
+        launch_log.clear()
+
+
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("split", [False, True], ids=["one_launch", "split"])
 @pytest.mark.parametrize("axis", list(ANY_GATE))
@@ -331,7 +429,7 @@ def test_whole_chunk_any_gate(axis, split, rng, tune, launch_log):
     (16-bit inputs: the plain chunks in a launch of their own)."""
     from fastkda.backends.triton.plan import tuned
 
-    tune(split_unbounded=split)
+    tune(split_unbounded=split, short_min_pairs=None)  # the chunk-wide path, whatever the shape
     base, layout = ANY_GATE[axis]
     case = grow(base, GPU)
     x = make_inputs(case, device=DEVICE, generator=rng)

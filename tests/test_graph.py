@@ -4,7 +4,7 @@ device in sizes fixed by the shapes), padded with empty sequences and ending bef
 import pytest
 import torch
 from conftest import BACKENDS, BACKWARD_BACKENDS, DEVICE, GPU
-from helpers import check, check_grads, grow, tol_for
+from helpers import check, check_grads, grow, launched, tol_for
 
 from fastkda import chunk_kda, use_backend
 from fastkda.testing import Case, make_inputs, reference
@@ -49,16 +49,23 @@ def leaves_of(y: dict) -> dict:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("short", [False, True], ids=["chunk", "short"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_graph_mode_forward(backend, name, rng):
+def test_graph_mode_forward(backend, short, name, rng, tune, launch_log):
     """Outputs of the real rows and the real sequences' final states against the float64 reference;
-    the rows after the last sequence are zero; an empty tail sequence passes its initial state on."""
+    the rows after the last sequence are zero; an empty tail sequence passes its initial state on.
+    ``short``: the Triton backend's short path forced (16-token chunk tables)."""
+    if short and backend != "triton":
+        pytest.skip("the short path is the Triton backend's")
+    tune(short_min_pairs=1 if short else None)
     case = grow(CASES[name], GPU)
     x = make_inputs(case, device=DEVICE, generator=rng)
     y, n = padded(x, rng)
     N = len(case.seqlens)
     with use_backend(backend):
         o, s = chunk_kda(**y, chunk_size=case.chunk_size, use_graph=True, max_num_seqs=N + EMPTY_TAILS)
+    if short:  # pre-gated unbounded gates keep the chunk-wide path
+        assert bool(launched(launch_log, "kda_fwd_short_kernel")) is (case.gate != "pregated")
     o_r, s_r = reference(x)
     tol = tol_for(case.dtype, backend)
     check("o", o[:, :n], o_r, tol)
@@ -100,9 +107,14 @@ def test_graph_mode_backward(backend, name, rng):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_graph_mode_new_boundaries(backend, rng):
+@pytest.mark.parametrize("short", [False, True], ids=["chunk", "short"])
+def test_graph_mode_new_boundaries(backend, short, rng, tune, launch_log):
     """One set of shapes, boundaries changed in place between calls (what a CUDA graph replays):
-    each call follows its own boundaries, with more, fewer or no real sequences."""
+    each call follows its own boundaries, with more, fewer or no real sequences. ``short``: the
+    Triton backend's short path forced."""
+    if short and backend != "triton":
+        pytest.skip("the short path is the Triton backend's")
+    tune(short_min_pairs=1 if short else None)
     case = grow(Case(seqlens=(30, 20, 50), gate="lowerbound", initial_state=False, final_state=True), GPU)
     x = make_inputs(case, device=DEVICE, generator=rng)
     T = x["q"].shape[1]
@@ -112,6 +124,8 @@ def test_graph_mode_new_boundaries(backend, rng):
         cu.copy_(torch.tensor(bounds + [bounds[-1]] * (6 - len(bounds)), dtype=torch.int32))
         with use_backend(backend):
             o, s = chunk_kda(**{**x, "cu_seqlens": cu}, use_graph=True, max_num_seqs=5)
+        assert bool(launched(launch_log, "kda_fwd_short_kernel")) is short
+        launch_log.clear()
         n = bounds[-1]
         if n:
             real = {**x, **{k: x[k][:, :n] for k in ("q", "k", "v", "g", "beta")},

@@ -28,8 +28,42 @@ def opts_for(B, T, H, HV=None, K=128, V=128, dtype=torch.bfloat16, **kw):
 
 
 def plan_for(opts, dtype=torch.bfloat16, train=False, dev=H200, **tuning):
+    """The plan of ``opts``; the chunk-wide path unless ``short_min_pairs`` is given (the tables of
+    its scan and stage 1 below)."""
     s = opts.shape
+    tuning.setdefault("short_min_pairs", None)
     return P.chunk_plan(opts, dtype, train, s.B * -(-s.T // opts.chunk_size), dev, P.Tuning(**tuning))
+
+
+@pytest.mark.parametrize("B,T,H,HV,dtype,kw,train,short", [
+    (1, 8192, 64, 64, torch.bfloat16, dict(safe_gate=True, lower_bound=-5.0, gate=GateMode.LOWER_BOUND), False, True),
+    (1, 8192, 48, 48, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, True),
+    (1, 8192, 32, 32, torch.bfloat16, dict(safe_gate=True, lower_bound=-5.0, gate=GateMode.LOWER_BOUND), False, False),
+    (4, 4096, 4, 12, torch.float32, dict(gate=GateMode.SOFTPLUS), False, True),
+    (1, 32768, 16, 16, torch.bfloat16, dict(safe_gate=True, lower_bound=-5.0, gate=GateMode.LOWER_BOUND), False, False),
+    (1, 8192, 1, 47, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, False),
+    (1, 8192, 64, 64, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), True, False),
+    (1, 8192, 64, 64, torch.bfloat16, dict(), False, False),
+    (1, 8192, 64, 64, torch.bfloat16, dict(safe_gate=True), False, True),
+    (1, 8192, 64, 64, torch.bfloat16, dict(gate=GateMode.SOFTPLUS, return_intermediate_states=True), False, False)])
+def test_short_path_choice(B, T, H, HV, dtype, kw, train, short):
+    """The short path: inference calls of at least Tuning.short_min_pairs (48) sequence x value-head
+    pairs with non-positive gates (bounded, or activated in the kernel), keys and values of at most
+    128, no intermediate states. Its scan steps 16 tokens, 64 value columns, 3 stages (2 for
+    float32); u formed there (X kept in float32) except for float16 inputs."""
+    opts = opts_for(B, T, H, HV, dtype=dtype, **kw)
+    p = plan_for(opts, dtype, train=train, short_min_pairs=P.Tuning().short_min_pairs)
+    assert (p.short is not None) is short
+    if short:
+        assert (p.forward.chunk, p.forward.BV, p.forward.launch.stages) == (16, 64, 3 if dtype != torch.float32 else 2)
+        assert p.forward.form_u and p.short.form_u and p.short.bounded is opts.safe_gate
+        assert p.recompute is None and p.backward is None
+        assert "short path" in p.describe() and "16-token steps" in p.describe()
+        assert plan_for(opts_for(B, T, H, HV, dtype=torch.float16, **kw), torch.float16,
+                        short_min_pairs=1).short.form_u is False
+        assert plan_for(opts_for(B, T, H, HV, K=256, dtype=dtype, **kw), dtype, short_min_pairs=1).short is None
+    else:
+        assert p.forward.chunk == opts.chunk_size and "short" not in p.describe()
 
 
 @pytest.mark.parametrize("B,T,H,split", [(1, 32768, 16, True), (1, 8192, 64, False), (2, 8192, 64, False),

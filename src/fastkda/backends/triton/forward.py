@@ -24,6 +24,7 @@ from .common import chunk_grid, chunk_tables, chunk_tables_static, gate_launch, 
 from .intra import kda_fwd_intra_chunk_kernel, kda_fwd_intra_kernel
 from .plan import ChunkPlan, ScanPlan, Stage1Plan, cdiv
 from .scan import fwd_scan
+from .short import short_stage1
 from .wy import kda_fwd_inverse_kernel, kda_fwd_wu_kernel
 
 
@@ -56,14 +57,17 @@ def chunk_count(opts: KDAOptions, cu_seqlens, cu_host) -> int:
     return chunk_tables_of(opts, cu_seqlens, cu_host)[2]
 
 
-def chunk_tables_of(opts: KDAOptions, cu_seqlens, cu_host) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-    """(chunk_indices, chunk_offsets, total chunks) of a call: the varlen tables (kept by the
-    sequence lengths; with use_graph built on the device in fixed sizes), or None for a dense batch."""
+def chunk_tables_of(opts: KDAOptions, cu_seqlens, cu_host, C: int | None = None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """(chunk_indices, chunk_offsets, total chunks) of a call's chunks of C tokens (default: its chunk
+    size): the varlen tables (kept by the sequence lengths; with use_graph built on the device in
+    fixed sizes), or None for a dense batch."""
+    C = C or opts.chunk_size
     if opts.graph:  # cu_seqlens: common.graph_seqlens's boundaries
-        return chunk_tables_static(cu_seqlens, opts.shape.N, opts.shape.T, opts.chunk_size)
+        return chunk_tables_static(cu_seqlens, opts.shape.N, opts.shape.T, C)
     if cu_seqlens is not None:
-        return chunk_tables(cu_host, opts.chunk_size, cu_seqlens.device)
-    return None, None, opts.shape.B * cdiv(opts.shape.T, opts.chunk_size)
+        return chunk_tables(cu_host, C, cu_seqlens.device)
+    return None, None, opts.shape.B * cdiv(opts.shape.T, C)
 
 
 def _where(opts: KDAOptions, s1: Stage1Plan, chunk_indices, cu_seqlens) -> dict:
@@ -135,10 +139,20 @@ def wu_x(p: Stage1) -> torch.Tensor:
     return p.xs if p.xh is None else p.xh
 
 
+def short_forward(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(o, final_state) of the short path: its stage 1 (short.py), then the scan over 16-token chunks."""
+    p = short_stage1(opts, plan, x, chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu, 16))
+    o, ht, _, _ = fwd_scan(opts, plan, plan.forward, p.w, p.u, p.xs, p.qg, p.kd, p.Aqk, p.gl, p.chunk_indices,
+                           p.chunk_offsets, p.NT_total, x)
+    return o, ht
+
+
 def forward_stages(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, x: KDAInputs, intra: Stage1 | None = None):
     """Stage 1 and the scan on contiguous inputs: (stage 1's output, o, final_state, h, v') as
     ``scan`` says (the plan's ``forward`` or ``recompute``). ``intra``: the output of
     ``stage1_intra`` kept from the forward, from which only stage1_wu and the scan run."""
+    if plan.short is not None:
+        raise ValueError("forward_stages: the plan takes the short path (short_forward)")
     if intra is None:
         intra = stage1_intra(opts, plan, x)
     p = stage1_wu(opts, plan, scan, intra, x)

@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 from ...options import KDAInputs, KDAOptions
 from .backward import gradients
 from .common import contiguous_inputs, current_record, graph_seqlens, recording
-from .forward import Stage1, chunk_count, chunk_tables_of, forward_stages
+from .forward import Stage1, chunk_count, chunk_tables_of, forward_stages, short_forward
 from .plan import ChunkPlan, chunk_plan, current_tuning, device_facts
 
 
@@ -56,7 +56,11 @@ def chunk_forward(opts: KDAOptions, x: KDAInputs):
     """(o, final_state, h) through the two forward stages, without gradients."""
     x, bad = graph_inputs(opts, contiguous_inputs(x))
     plan = plan_of(opts, x, train=False)
-    _, o, ht, h, _ = forward_stages(opts, plan, plan.forward, x)
+    if plan.short is not None:
+        o, ht = short_forward(opts, plan, x)
+        h = None
+    else:
+        _, o, ht, h, _ = forward_stages(opts, plan, plan.forward, x)
     poison(bad, o, ht, h)
     return o, ht, h
 

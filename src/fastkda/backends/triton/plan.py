@@ -80,6 +80,12 @@ class Tuning:
     intra_levels_slice: int = 16  # the split's second pass (chunks that may take the half-segment levels)
     wu_slice: int = 32
     wu_slice_x16: int = 64
+    # the short path (inference: stage 1 in one kernel over 16-token chunks, the scan over them;
+    # the stage-1 fields above are the chunk-wide path's)
+    short_min_pairs: int | None = 48  # at least this many (sequence, value head) pairs (None: never)
+    short: Launch = Launch(2)
+    short_scan_bv: int = 64
+    short_scan_stages: int = 3
     # forward scan
     scan_bv: int = 64
     scan_bv_narrow: int = 32  # where scan_bv-wide programs would fill at most half the SMs
@@ -283,6 +289,21 @@ class Stage1Plan:
 
 
 @dataclass(frozen=True)
+class ShortPlan:
+    """Forward stage 1 on 16-token chunks in one kernel (short.py), for inference."""
+
+    bounded: bool  # safe_gate: the middle anchor on every chunk (no span test, no levels)
+    prec: str  # the Aqk, Akk products
+    x_prec: str  # w = X (beta k e^G) (and u where stage 1 forms it)
+    form_u: bool  # X stored (float32), u formed in the scan
+    softplus_form: int
+    heads_first: bool
+    BK: int
+    BV: int
+    launch: Launch
+
+
+@dataclass(frozen=True)
 class ScanPlan:
     """Forward stage 2, the state scan (and the output kernel where o leaves it)."""
 
@@ -294,6 +315,8 @@ class ScanPlan:
     split_output: bool  # o from kda_fwd_output_kernel
     output_bv: int
     output: Launch
+    chunk: int  # tokens per step (the call's chunk size, 16 on the short path)
+    u_prec: str  # the product u = X (beta v) where the scan forms u
 
 
 @dataclass(frozen=True)
@@ -326,10 +349,21 @@ class ChunkPlan:
     forward: ScanPlan  # the call's own scan
     recompute: ScanPlan | None  # training: the backward's recomputation of the scan
     backward: BackwardPlan | None
+    short: ShortPlan | None = None  # the short path: it replaces stage 1, the scan steps 16 tokens
 
     def describe(self) -> str:
         """The plan as text, one stage per line (what ``fastkda.explain`` prints)."""
         s = self.stage1
+        if self.short is not None:
+            sp, sc = self.short, self.forward
+            lines = [f"chunk plan: inference, 16-token chunks, products {self.dot.prec}"]
+            lines.append(f"  stage 1: short path, 16-token chunks in one kernel {_fmt(sp.launch)}; middle anchor"
+                         + ("" if sp.bounded else " (half-segment levels where the gates span more)")
+                         + f"; intra {sp.prec}, w/u {sp.x_prec}; "
+                         + ("X float32 for the scan" if sp.form_u else "u in stage 1"))
+            lines.append(f"  scan: 16-token steps, {sc.BV} value columns {_fmt(sc.launch)}"
+                         + (f"; forms u ({sc.u_prec})" if sc.form_u else ""))
+            return "\n".join(lines)
         lines = [f"chunk plan: {'training' if self.train else 'inference'}, {self.chunks} chunk slots, "
                  f"products {self.dot.prec}"]
         path = "whole-chunk" if s.whole else "block"
@@ -446,7 +480,7 @@ def _stage1(opts: KDAOptions, dtype: torch.dtype, train: bool, dev: Device, tuni
 
 
 def _scan(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, chunks: int, outputs: bool, keep: bool, dev: Device,
-          tuning: Tuning) -> ScanPlan:
+          tuning: Tuning, dot_prec: str) -> ScanPlan:
     s = opts.shape
     BK = pow2(s.K)
     BV = scan_bv(opts, dev.sm_count, tuning)
@@ -463,7 +497,38 @@ def _scan(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, chunks: int, out
     stages = scan_stages(tuning.scan_stages_crowded if crowded else tuning.scan_stages, BK, BV, elem)
     return ScanPlan(outputs=outputs, keep=keep, form_u=form_u, BV=BV,
                     launch=Launch(scan_warps(tuning.scan_warps, BK, BV), stages),
-                    split_output=split, output_bv=min(pow2(s.V), tuning.output_bv), output=tuning.output)
+                    split_output=split, output_bv=min(pow2(s.V), tuning.output_bv), output=tuning.output,
+                    chunk=opts.chunk_size, u_prec=s1.wu_prec if form_u else dot_prec)
+
+
+def short_path(opts: KDAOptions, train: bool, tuning: Tuning) -> bool:
+    """Whether an inference call takes the short path: non-positive gates (bounded, or activated in
+    the kernel), features of at most 128, no intermediate states asked for (they are the chunk
+    size's), and enough (sequence, value head) pairs that the scan's longer chain of 16-token steps
+    costs less than the chunk-wide stage 1 it saves (docs/kernels.md)."""
+    s = opts.shape
+    return (not train and tuning.short_min_pairs is not None and s.N * s.HV >= tuning.short_min_pairs
+            and (opts.safe_gate or opts.gate != GateMode.PREGATED) and not opts.return_intermediate_states
+            and max(s.K, s.V) <= 128)
+
+
+def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, dot: Dot) -> tuple[ShortPlan, ScanPlan]:
+    s = opts.shape
+    BK, BV = pow2(s.K), pow2(s.V)
+    low = _bf16_prec(dev.interpret) if dtype == torch.bfloat16 else dot.prec
+    # X kept in float32 for the scan's u (fewer bytes than u, and no rounding of u); float16 inputs
+    # form u in stage 1 (a tf32 product beside the scan's float16 ones faulted on the H200, Triton 3.6)
+    form_u = dtype != torch.float16
+    sp = ShortPlan(bounded=opts.safe_gate, prec=low, x_prec=low, form_u=form_u,
+                   softplus_form=softplus_form(dtype, dev.interpret, tuning), heads_first=tuning.heads_first,
+                   BK=BK, BV=BV, launch=tuning.short)
+    bv = min(BV, tuning.short_scan_bv)
+    scan = ScanPlan(outputs=True, keep=False, form_u=form_u, BV=bv,
+                    launch=Launch(scan_warps(tuning.scan_warps, BK, bv),
+                                  scan_stages(tuning.short_scan_stages, BK, bv, dtype.itemsize)),
+                    split_output=False, output_bv=min(BV, tuning.output_bv), output=tuning.output, chunk=16,
+                    u_prec="tf32" if dtype == torch.bfloat16 else dot.prec)
+    return sp, scan
 
 
 def _backward(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, dev: Device, tuning: Tuning,
@@ -493,8 +558,12 @@ def chunk_plan(opts: KDAOptions, dtype: torch.dtype, train: bool, chunks: int, d
     function; cached). ``train``: the forward of a training step, whose backward reads stage 1."""
     dot = dot_for(dtype, dev.interpret)
     s1 = _stage1(opts, dtype, train, dev, tuning, dot)
-    fwd = _scan(opts, dtype, s1, chunks, True, train and opts.disable_recompute, dev, tuning)
-    recompute = _scan(opts, dtype, s1, chunks, False, True, dev, tuning) if train else None
+    if short_path(opts, train, tuning):
+        short, fwd = _short(opts, dtype, dev, tuning, dot)
+        return ChunkPlan(train=False, dot=dot, chunks=chunks, stage1=s1, forward=fwd, recompute=None, backward=None,
+                         short=short)
+    fwd = _scan(opts, dtype, s1, chunks, True, train and opts.disable_recompute, dev, tuning, dot.prec)
+    recompute = _scan(opts, dtype, s1, chunks, False, True, dev, tuning, dot.prec) if train else None
     bwd = _backward(opts, dtype, s1, dev, tuning, dot) if train else None
     return ChunkPlan(train=train, dot=dot, chunks=chunks, stage1=s1, forward=fwd, recompute=recompute, backward=bwd)
 

@@ -88,11 +88,13 @@ def fwd_scan(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, w, u, xs, qg, kd
     gives what the backward needs, h in [K, V] order and v' (both in the input dtype); otherwise h
     only with ``return_intermediate_states`` (float32, in the state layout). With ``scan.form_u``
     (u None) the scan forms u from ``xs``, v and beta."""
-    s, C = opts.shape, opts.chunk_size
+    s, C = opts.shape, scan.chunk
     B, T, HV, K, V, N = s.B, s.T, s.HV, s.K, s.V, s.N
     dev, dt = w.device, w.dtype
     if scan.form_u != (u is None):
         raise ValueError("fwd_scan: u must be None exactly where the scan forms it")
+    if Aqk.shape[-1] != scan.chunk:
+        raise ValueError(f"fwd_scan: stage 1 made chunks of {Aqk.shape[-1]} tokens, the scan steps {scan.chunk}")
     o = out_alloc(opts)(B, T, HV, V, dtype=x.v.dtype, device=dev) if scan.outputs else None
     ht = None
     if scan.outputs and opts.output_final_state:
@@ -115,7 +117,7 @@ def fwd_scan(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, w, u, xs, qg, kd
                STORE_H=h is not None, STORE_O=o_scan is not None, STORE_VN=vn is not None,
                V_FIRST=opts.state_v_first, H_V_FIRST=opts.state_v_first and not (scan.keep or scan.split_output),
                IS_VARLEN=x.cu_seqlens is not None, DT=dot.dtype, PREC=dot.prec, EMU=dot.emulate, U_IN=scan.form_u,
-               U_PREC=plan.stage1.wu_prec if scan.form_u else dot.prec, SIGMOID=opts.beta_sigmoid,
+               U_PREC=scan.u_prec, SIGMOID=opts.beta_sigmoid,
                BETA_SCALE=opts.beta_scale, **scan.launch.kwargs())
     if scan.split_output:
         if NT_total > 0:

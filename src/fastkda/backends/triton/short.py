@@ -1,0 +1,156 @@
+"""Forward stage 1 on short chunks, in one kernel: 16-token chunks, each program one chunk of one
+value head (the plan's short path, inference; docs/kernels.md). From q, k, v, g, beta it writes
+what the state scan (scan.py, run with C = 16) reads:
+
+    w   = X (beta k e^G)   [16, K]      u  = X (beta v) [16, V], or X itself [16, 16] (float32)
+    qg  = scale q e^G      [16, K]      kd = k e^(G_15 - G)    [16, K]
+    Aqk (j <= i, times scale) [16, 16]  gl = e^(G_15)          [K] (float32)
+
+with G the cumulative gates from the chunk start (base 2) and X = (I + Diag(beta) Akk)^-1. For
+unbounded gates every exponent is built from sums of at most 8 gates on either side of the chunk's
+middle token, never from a difference of two cumulative sums of the chunk.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ...alloc import new_empty
+from ...options import KDAInputs, KDAOptions
+from .common import activate_gate, chunk_grid, chunk_program, gate_launch, launch
+from .plan import ChunkPlan
+from .tiles import inv_unit_lower, load_beta, load_tile, prod, rnorm, row_of, split_level, store_tile
+
+# unbounded gates: the middle anchor while every factor stays within 2^SPAN (a product of two
+# factors within 2^120: finite in float32); otherwise the half-segment levels
+SPAN = tl.constexpr(60.0)
+
+
+@triton.jit
+def _next_rows(b_x, o_i):
+    """Row i + 1 of a [16, BS] float32 tile at row i, 0 at row 15: a product with the shift matrix
+    (one nonzero term per entry, exact)."""
+    b_s = tl.where(o_i[None, :] == o_i[:, None] + 1, 1.0, 0.0)
+    return tl.dot(b_s, b_x, input_precision="ieee")
+
+
+@triton.jit
+def _middle_anchor(b_q, b_k, b_m, PREC: tl.constexpr):
+    """(Aqk, Akk) [16, 16] unmasked, unscaled, from b_m = G - G_8 [16, BK]: row factors e^(G_i - G_8),
+    column factors e^(G_8 - G_j)."""
+    b_c = tl.trans(b_k * tl.exp2(-b_m))
+    b_r = tl.exp2(b_m)
+    return prod(b_q * b_r, b_c, PREC), prod(b_k * b_r, b_c, PREC)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_fwd_short_kernel(
+    q, k, v, g, beta, A_log, dt_bias, w, u, xs, qg, kd, Aqk, gl, cu_seqlens, chunk_indices, scale, lower_bound, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, L2NORM: tl.constexpr,
+    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    BOUNDED: tl.constexpr, PREC: tl.constexpr, X_PREC: tl.constexpr, FORM_U: tl.constexpr,
+):
+    """One 16-token chunk of one value head. Aqk and Akk from the middle anchor (token 8: factors
+    e^(G_i - G_8) on rows, e^(G_8 - G_j) on columns); BOUNDED (gates >= -5 nats) keeps every factor
+    within 2^58, and the exponents are differences of the cumulative gates; otherwise each is a sum
+    of the gates between its token and the anchor, and a chunk whose factors would pass 2^SPAN
+    takes the four half-segment levels (tiles.split_level), whose factors are <= 1. A non-finite
+    gate makes its whole feature column of the chunk non-finite (the shift of _next_rows is a
+    product). PREC: the Aqk, Akk products; X_PREC: w's and u's.
+    FORM_U: X goes to xs (the scan forms u = X (beta v)), u is not written."""
+    _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, 16, IS_VARLEN, 1, HEADS_FIRST)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
+    i_h = i_hv // (HV // H)
+    o_i = tl.arange(0, 16)
+    o_k = tl.arange(0, BK)
+    m_t = (t0 + o_i) < T_seq
+    m_k = o_k < K
+    # activated gates, base 2, 0 on padding rows and columns   [16, BK]
+    b_g = activate_gate(load_tile(g, bos, t0, T_seq, i_hv, HV, K, o_i, o_k), A_log, dt_bias, i_hv, o_k, m_k,
+                        lower_bound, GATE, HAS_A, HAS_BIAS, K, FAST)
+    b_g = tl.where(m_t[:, None] & m_k[None, :], b_g * 1.4426950408889634, 0.0)
+    b_q = load_tile(q, bos, t0, T_seq, i_h, H, K, o_i, o_k)
+    b_k = load_tile(k, bos, t0, T_seq, i_h, H, K, o_i, o_k)
+    b_q *= rnorm(tl.sum(b_q * b_q, 1), L2NORM)[:, None]
+    b_k *= rnorm(tl.sum(b_k * b_k, 1), L2NORM)[:, None]
+    b_b = load_beta(beta, bos, t0, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)  # [16]
+
+    b_G = tl.cumsum(b_g, 0)  # G   [16, BK]
+    if BOUNDED:
+        # |G| <= 16 * 7.22 (base 2): a difference of two float32 sums is off by about 1e-5 at most
+        b_Aqk, b_Akk = _middle_anchor(b_q, b_k, b_G - row_of(b_G, o_i, 8)[None, :], PREC)
+        b_dl = row_of(b_G, o_i, 15)[None, :] - b_G
+    else:
+        b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
+        # G_i - G_8 as sums: the gates 9..i (i >= 8, <= 0) or minus the gates i+1..8 (i < 8, >= 0)
+        b_m = tl.where((o_i >= 8)[:, None], tl.cumsum(tl.where((o_i >= 9)[:, None], b_g, 0.0), 0),
+                       -tl.cumsum(tl.where((o_i <= 7)[:, None], b_gn, 0.0), 0, reverse=True))
+        if tl.max(tl.abs(b_m)) <= SPAN:
+            b_Aqk, b_Akk = _middle_anchor(b_q, b_k, b_m, PREC)
+        else:
+            b_Aqk = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)  # factor 1
+            b_Akk = tl.zeros([16, 16], tl.float32)
+            for lvl in tl.static_range(4):
+                m_l, b_r, b_f = split_level(b_g, b_gn, o_i, 8 >> lvl)
+                b_c = tl.trans(b_k * b_f)
+                b_Aqk += tl.where(m_l, prod(b_q * b_r, b_c, PREC), 0.0)
+                b_Akk += tl.where(m_l, prod(b_k * b_r, b_c, PREC), 0.0)
+        b_dl = tl.cumsum(b_gn, 0, reverse=True)  # G_15 - G as the sum of the gates after each token
+    b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk * scale, 0.0)
+    b_X = inv_unit_lower(tl.where(o_i[:, None] > o_i[None, :], b_Akk * b_b[:, None], 0.0), o_i)
+
+    b_e = tl.exp2(b_G)
+    store_tile(Aqk, b_Aqk, bos, t0, T_seq, i_hv, HV, 16, o_i, o_i)
+    store_tile(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
+    store_tile(kd, b_k * tl.exp2(b_dl), bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
+    store_tile(w, prod(b_X, b_k * b_b[:, None] * b_e, X_PREC), bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
+    tl.store(gl + i_p * K + o_k, tl.exp2(tl.sum(b_g, 0)), mask=m_k)
+    if FORM_U:
+        tl.store(xs + i_p * 256 + o_i[:, None] * 16 + o_i[None, :], b_X)
+    else:
+        o_v = tl.arange(0, BV)
+        b_v = load_tile(v, bos, t0, T_seq, i_hv, HV, V, o_i, o_v) * b_b[:, None]
+        store_tile(u, prod(b_X, b_v, X_PREC), bos, t0, T_seq, i_hv, HV, V, o_i, o_v)
+
+
+class ShortStage1(NamedTuple):
+    """What the short path's stage 1 leaves for the scan (16-token chunks)."""
+
+    w: torch.Tensor  # [B, T, HV, K] input dtype
+    u: torch.Tensor | None  # [B, T, HV, V] input dtype (None: the scan forms u from xs)
+    xs: torch.Tensor | None  # X of every chunk [NT, HV, 16, 16] float32 (the scan forms u)
+    qg: torch.Tensor  # [B, T, HV, K]
+    kd: torch.Tensor  # [B, T, HV, K]
+    Aqk: torch.Tensor  # [B, T, HV, 16]
+    gl: torch.Tensor  # chunk decays [NT, HV, K] float32
+    chunk_indices: torch.Tensor | None
+    chunk_offsets: torch.Tensor | None
+    NT_total: int
+
+
+def short_stage1(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs,
+                 tables: tuple[torch.Tensor | None, torch.Tensor | None, int]) -> ShortStage1:
+    """Stage 1 of the short path; ``tables``: (chunk_indices, chunk_offsets, chunks) of 16-token chunks."""
+    s, sp = opts.shape, plan.short
+    B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
+    dev, dt = x.q.device, x.q.dtype
+    chunk_indices, chunk_offsets, NT = tables
+    w, qg, kd = (new_empty(B, T, HV, K, dtype=dt, device=dev) for _ in range(3))
+    u = None if sp.form_u else new_empty(B, T, HV, V, dtype=dt, device=dev)
+    xs = new_empty(NT, HV, 16, 16, dtype=torch.float32, device=dev) if sp.form_u else None
+    Aqk = new_empty(B, T, HV, 16, dtype=dt, device=dev)
+    gl = new_empty(NT, HV, K, dtype=torch.float32, device=dev)
+    if NT > 0:
+        launch(kda_fwd_short_kernel, chunk_grid(NT, HV, sp.heads_first),
+               x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, w, u, xs, qg, kd, Aqk, gl, x.cu_seqlens, chunk_indices,
+               opts.scale, **gate_launch(opts, x.A_log, x.dt_bias), T=T, H=H, HV=HV, K=K, V=V, BK=sp.BK, BV=sp.BV,
+               FAST=sp.softplus_form, L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
+               IS_VARLEN=x.cu_seqlens is not None, HEADS_FIRST=sp.heads_first, BOUNDED=sp.bounded, PREC=sp.prec,
+               X_PREC=sp.x_prec, FORM_U=sp.form_u, **sp.launch.kwargs())
+    return ShortStage1(w, u, xs, qg, kd, Aqk, gl, chunk_indices, chunk_offsets, NT)
