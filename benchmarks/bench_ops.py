@@ -88,7 +88,8 @@ def copy_bandwidth():
     return 2 * a.numel() / ms / 1e9  # TB/s: bytes read + written
 
 
-LIBS = ("fastkda", "fla")  # the libraries timed (--libs)
+KNOWN_LIBS = ("fastkda", "fla", "flashkda")
+LIBS = ("fastkda", "fla")  # the libraries timed (--libs; flashkda: the forward only)
 
 
 def _fla_op(name):
@@ -110,10 +111,43 @@ def _with_fla(impls: dict, name: str) -> dict:
     return impls if op is None else {**impls, "fla": op}
 
 
+def _flashkda_forward():
+    """FlashKDA's forward (``flash_kda.fwd``, built from github.com/MoonshotAI/FlashKDA) as a
+    chunk_kda-like call returning (o, None), when it is timed (--libs) and importable, else None
+    (reported). It takes the cases of ``flashkda_takes``."""
+    if "flashkda" not in LIBS:
+        return None
+    try:
+        import flash_kda
+    except Exception as e:  # report, do not hide
+        print(f"FlashKDA not importable: {type(e).__name__}: {e}")
+        return None
+
+    def forward(q, k, v, g, beta, *, A_log, dt_bias, lower_bound=None, cu_seqlens=None, **_):
+        o = torch.empty_like(v)
+        flash_kda.fwd(q, k, v, g, beta, q.shape[-1] ** -0.5, o, A_log=A_log, dt_bias=dt_bias.view(v.shape[2], -1),
+                      lower_bound=lower_bound, initial_state=None, final_state=None,
+                      cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+        return o, None
+
+    return forward
+
+
+def flashkda_takes(x: dict, kw: dict) -> bool:
+    """The forward cases FlashKDA's kernel takes: bfloat16, K = V = 128, no grouped value heads, the
+    safe gate with its lower bound, gate, l2norm and beta sigmoid in the kernel."""
+    q, v = x["q"], x["v"]
+    return (q.dtype == torch.bfloat16 and q.shape[-1] == v.shape[-1] == 128 and q.shape[2] == v.shape[2]
+            and bool(kw.get("safe_gate")) and kw.get("lower_bound") is not None and kw.get("use_gate_in_kernel")
+            and kw.get("use_qk_l2norm_in_kernel") and kw.get("use_beta_sigmoid_in_kernel"))
+
+
 def _impls():
     import fastkda
 
-    return _with_fla({"fastkda": fastkda.chunk_kda}, "chunk_kda")
+    impls = _with_fla({"fastkda": fastkda.chunk_kda}, "chunk_kda")
+    flashkda = _flashkda_forward()
+    return impls if flashkda is None else {**impls, "flashkda": flashkda}
 
 
 def _reference(x, kw):
@@ -150,6 +184,8 @@ def bench_forward(cases, with_error=True, done=None):
         row = {"case": name, "gate": gate, "B": B, "T": sum(seqlens) if seqlens else T, "H": H}
         ref = _reference(x, kw) if with_error else None
         for lib, fn in impls.items():
+            if lib == "flashkda" and not flashkda_takes(x, kw):
+                continue
             with torch.inference_mode():
                 (o, _), first = timed_once(lambda: fn(**x, **kw))
                 torch.cuda.reset_peak_memory_stats()
@@ -204,13 +240,14 @@ def bench_compile(cases):
 
 
 def breakdown(name="B1 T8192 H64"):
-    """Times of the two forward stages of fastkda's Triton backend, separately; the scan for a few
-    launch configurations (tools/sweep_launch.py sweeps those of stage 1)."""
+    """Times of the two forward stages of fastkda's Triton backend, separately, on each path (the
+    short one and the chunk-wide one, forced); the scan for a few launch configurations
+    (tools/sweep_launch.py sweeps those of stage 1)."""
     import triton.testing as tt
 
     import dataclasses
 
-    from fastkda.backends.triton import forward, scan
+    from fastkda.backends.triton import forward, scan, short
     from fastkda.backends.triton.function import plan_of
     from fastkda.backends.triton.plan import tuned
     from fastkda.options import chunk_options
@@ -221,34 +258,51 @@ def breakdown(name="B1 T8192 H64"):
                 return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
                 cp_context=None, chunk_size=64, allow_neg_eigval=False, **kw)
     rows = []
+
+    def timed(what: str, fn, **row):
+        try:
+            fn()
+            ms = tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        except Exception as e:  # an out-of-resources configuration
+            print(f"{name}: {what}: {type(e).__name__}", flush=True)
+            return
+        rows.append({"case": name, **row, "ms": ms})
+        print(f"{name}: {what}: {ms:.3f} ms", flush=True)
+
     with torch.inference_mode():
         opts, inp = chunk_options(*x.values(), **call)
-        plan = plan_of(opts, inp, train=False)
+        with tuned(short_min_pairs=1):
+            plan = plan_of(opts, inp, train=False)
+        tables = forward.chunk_tables_of(opts, inp.cu_seqlens, inp.cu_seqlens_cpu, 16)
+        out = short.short_stage1(opts, plan, inp, tables)
+        timed("short path, stage 1 (one launch)", lambda: short.short_stage1(opts, plan, inp, tables),
+              path="short", stage="prepare")
+        for bv, stages in ((64, 3), (64, 2), (32, 3)):
+            sc = dataclasses.replace(plan.forward, BV=bv, launch=plan.forward.launch._replace(stages=stages))
+            timed(f"short path, scan BV={bv} stages={stages}",
+                  lambda: scan.fwd_scan(opts, plan, sc, out.w, out.u, out.xs, out.qg, out.kd, out.Aqk, out.gl,
+                                        out.chunk_indices, out.chunk_offsets, out.NT_total, inp),
+                  path="short", stage="scan", BV=bv, warps=sc.launch.warps, stages=stages)
+
+        with tuned(short_min_pairs=None):
+            plan = plan_of(opts, inp, train=False)
 
         def stage1():  # the path inference takes (u formed in the scan where the plan says so)
             return forward.stage1_wu(opts, plan, plan.forward, forward.stage1_intra(opts, plan, inp), inp)
 
         out = stage1()
-        ms = tt.do_bench(stage1, warmup=25, rep=100, return_mode="median")
-        rows.append({"case": name, "stage": "prepare", "ms": ms, "u_in_scan": out.u is None})
-        print(f"{name}: stage 1 (4 launches{', u left to the scan' if out.u is None else ''}): {ms:.3f} ms", flush=True)
+        timed(f"chunk path, stage 1 (4 launches{', u left to the scan' if out.u is None else ''})", stage1,
+              path="chunk", stage="prepare", u_in_scan=out.u is None)
         for bv, warps, stages in ((64, 8, 2), (64, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 3), (128, 8, 2), (64, 4, 1)):
             # every width and stage count, whatever the shape would take by default
-            with tuned(scan_bv=bv, scan_bv_narrow=bv, scan_warps=warps, scan_stages=stages, scan_stages_crowded=stages):
+            with tuned(short_min_pairs=None, scan_bv=bv, scan_bv_narrow=bv, scan_warps=warps, scan_stages=stages,
+                       scan_stages_crowded=stages):
                 p2 = plan_of(opts, inp, train=False)
             sc = dataclasses.replace(p2.forward, form_u=plan.forward.form_u)  # stage 1 above decided u
-
-            def run_scan():
-                scan.fwd_scan(opts, p2, sc, out.w, out.u, forward.wu_x(out), out.qg, out.kd, out.Aqk, out.gl,
-                              out.chunk_indices, out.chunk_offsets, out.NT_total, inp)
-            try:
-                run_scan()
-                ms = tt.do_bench(run_scan, warmup=25, rep=100, return_mode="median")
-            except Exception as e:  # an out-of-resources configuration
-                print(f"scan BV={bv} warps={warps} stages={stages}: {type(e).__name__}")
-                continue
-            rows.append({"case": name, "stage": "scan", "BV": bv, "warps": warps, "stages": stages, "ms": ms})
-            print(f"{name}: scan BV={bv} warps={warps} stages={stages}: {ms:.3f} ms", flush=True)
+            timed(f"chunk path, scan BV={bv} warps={warps} stages={stages}",
+                  lambda: scan.fwd_scan(opts, p2, sc, out.w, out.u, forward.wu_x(out), out.qg, out.kd, out.Aqk,
+                                        out.gl, out.chunk_indices, out.chunk_offsets, out.NT_total, inp),
+                  path="chunk", stage="scan", BV=bv, warps=warps, stages=stages)
     return rows
 
 
@@ -462,6 +516,13 @@ def run(args):
         import fla
 
         res["fla_version"] = getattr(fla, "__version__", "?")
+    if _flashkda_forward() is not None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            res["flashkda_version"] = version("flash_kda")
+        except PackageNotFoundError:  # importable, but not installed as a distribution (a source tree)
+            res["flashkda_version"] = "?"
     res["triton"] = triton.__version__
     print(f"copy bandwidth {res['copy_tbps']:.2f} TB/s")
     pick = (lambda cases: [c for c in cases if any(w in c[0] for w in args.cases)]) if args.cases else (lambda c: c)
@@ -493,25 +554,33 @@ def run(args):
 def render(path):
     res = json.load(open(path))
     bw = res["copy_tbps"]
-    head = (f"{res['env']}, fla-core {res.get('fla_version')}; copy bandwidth measured in the same run: "
-            f"{bw:.2f} TB/s (read + write).")
+    head = (f"{res['env']}, fla-core {res.get('fla_version')}"
+            + (f", FlashKDA {res['flashkda_version']}" if res.get("flashkda_version") else "")
+            + f"; copy bandwidth measured in the same run: {bw:.2f} TB/s (read + write).")
     fwd = res["suites"].get("forward")
     if fwd and any("fastkda" in r for r in fwd):
+        flash = any("flashkda" in r for r in fwd)  # FlashKDA's columns where it was timed
         md = [head, "",
               "bf16, K=V=128, gate activation (safe: lower_bound=-5), l2norm and beta sigmoid in the kernel; inference mode. "
               + GATE_PARAMS,
-              "Ratio = fla time / fastkda time (> 1: fastkda faster). Floor = q, k, v, g, beta read once and o written once "
+              "Ratio = fla time / fastkda time (> 1: fastkda faster)"
+              + (", likewise FlashKDA's (its kernel takes the safe-gate cases without grouped value heads)" if flash else "")
+              + ". Floor = q, k, v, g, beta read once and o written once "
               "at the copy bandwidth. Error = relative RMS against the float64 reference (first 2048 tokens).", "",
-              "| case | fastkda ms | fla ms | ratio | fastkda GB/s (floor ms) | first call fastkda / fla (s) | peak +GiB fastkda / fla | error fastkda / fla |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "| case | fastkda ms | fla ms | ratio" + (" | FlashKDA ms | ratio" if flash else "")
+              + " | fastkda GB/s (floor ms) | first call fastkda / fla (s) | peak +GiB fastkda / fla | error fastkda / fla"
+              + (" / FlashKDA" if flash else "") + " |",
+              "|---|---:|---:|---:" + ("|---:|---:" if flash else "") + "|---:|---:|---:|---:|"]
         for r in fwd:
-            a, b = r["fastkda"], r.get("fla")
+            a, b, c = r["fastkda"], r.get("fla"), r.get("flashkda")
             floor = a["gbps"] * a["ms"] / 1e3 / bw  # bytes / bandwidth, in ms
-            if b:
-                md.append(f"| {r['case']} | {a['ms']:.3f} | {b['ms']:.3f} | {b['ms'] / a['ms']:.2f}x | {a['gbps']:.0f} ({floor:.3f}) "
-                          f"| {a['first_s']:.1f} / {b['first_s']:.1f} | {a['peak_gib']:.2f} / {b['peak_gib']:.2f} | {a['err']:.1e} / {b['err']:.1e} |")
-            else:
-                md.append(f"| {r['case']} | {a['ms']:.3f} | - | - | {a['gbps']:.0f} ({floor:.3f}) | {a['first_s']:.1f} / - | {a['peak_gib']:.2f} / - | {a['err']:.1e} / - |")
+            fla_cols = f"{b['ms']:.3f} | {b['ms'] / a['ms']:.2f}x" if b else "- | -"
+            flash_cols = (f" | {c['ms']:.3f} | {c['ms'] / a['ms']:.2f}x" if c else " | - | -") if flash else ""
+            err = f"{a['err']:.1e} / " + (f"{b['err']:.1e}" if b else "-") + ((f" / {c['err']:.1e}" if c else " / -")
+                                                                             if flash else "")
+            md.append(f"| {r['case']} | {a['ms']:.3f} | {fla_cols}{flash_cols} | {a['gbps']:.0f} ({floor:.3f}) "
+                      f"| {a['first_s']:.1f} / " + (f"{b['first_s']:.1f}" if b else "-")
+                      + f" | {a['peak_gib']:.2f} / " + (f"{b['peak_gib']:.2f}" if b else "-") + f" | {err} |")
         cold = res["suites"].get("compile")
         if cold:
             md += ["", "Cold compilation: the first call in a fresh process with an empty Triton cache (fla-core's "
@@ -614,12 +683,13 @@ def main():
     p.add_argument("--cases", default=None, type=lambda x: x.split(","),
                    help="forward/backward cases whose name contains one of these comma-separated words")
     p.add_argument("--libs", default=",".join(LIBS), type=lambda x: tuple(n.strip() for n in x.split(",")),
-                   help="comma list of the libraries timed: fastkda (always), fla (without it: no ratios)")
+                   help="comma list of the libraries timed: fastkda (always), fla (without it: no ratios), "
+                        "flashkda (forward suite: FlashKDA's own kernel, where it is installed)")
     p.add_argument("--cold-one", nargs=2, metavar=("LIB", "CASE"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    unknown = set(args.libs) - set(LIBS)
+    unknown = set(args.libs) - set(KNOWN_LIBS)
     if unknown or "fastkda" not in args.libs:
-        raise SystemExit(f"--libs {','.join(args.libs)}: name fastkda, optionally with fla")
+        raise SystemExit(f"--libs {','.join(args.libs)}: name fastkda, optionally with fla and flashkda")
     LIBS = args.libs
     if args.cold_one:
         os.environ.setdefault("FASTKDA_BACKEND", "triton")

@@ -70,6 +70,36 @@ def test_bench_ops_render(tmp_path, sections, monkeypatch):
     assert "bfloat16 pool (graph replays, % of copy bandwidth): BV=32 1 warps: 0.2000 ms." in md
 
 
+
+def test_bench_ops_render_flashkda(tmp_path, sections, monkeypatch):
+    """FlashKDA's columns appear where it was timed: its time and ratio, its error; '-' on the cases
+    its kernel does not take."""
+    import bench_ops
+
+    monkeypatch.setattr(bench_ops, "write_section", lambda name, md, *a, **k: sections.__setitem__(name, md))
+    lib = {"ms": 2.0, "first_s": 1.0, "peak_gib": 1.5, "err": 3e-3, "gbps": 300.0}
+    res = {"env": ENV, "copy_tbps": 4.0, "fla_version": "0.6.0", "flashkda_version": "0.1.0", "suites": {
+        "forward": [{"case": "B1 T8192 H64", "fastkda": lib, "fla": {**lib, "ms": 3.0},
+                     "flashkda": {**lib, "ms": 1.0, "err": 5e-3}},
+                    {"case": "B1 T8192 H64 softplus", "fastkda": lib, "fla": {**lib, "ms": 3.0}}]}}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(res))
+    bench_ops.render(str(path))
+    md = sections["gpu-forward"]
+    assert "fla-core 0.6.0, FlashKDA 0.1.0;" in md
+    assert "| case | fastkda ms | fla ms | ratio | FlashKDA ms | ratio |" in md
+    assert "| B1 T8192 H64 | 2.000 | 3.000 | 1.50x | 1.000 | 0.50x | 300 (0.150) |" in md, md
+    assert "| 3.0e-03 / 3.0e-03 / 5.0e-03 |" in md
+    assert "| B1 T8192 H64 softplus | 2.000 | 3.000 | 1.50x | - | - |" in md, md
+    import torch
+
+    t = torch.empty(1, 8, 4, 128, dtype=torch.bfloat16, device="meta")
+    flags = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    assert bench_ops.flashkda_takes({"q": t, "v": t}, dict(safe_gate=True, lower_bound=-5.0, **flags))
+    assert not bench_ops.flashkda_takes({"q": t, "v": t.repeat(1, 1, 2, 1)}, dict(safe_gate=True, lower_bound=-5.0,
+                                                                                 **flags))  # grouped value heads
+    assert not bench_ops.flashkda_takes({"q": t, "v": t}, flags)  # the softplus gate
+
 def test_bench_cp_render(tmp_path, sections, monkeypatch):
     import bench_cp
 
