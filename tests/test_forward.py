@@ -356,6 +356,23 @@ def test_short_path(axis, rng, tune, launch_log):
         check("final_state", s, s_ref, tol)
 
 
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("lens,short", [((26, 26, 26, 25), True), ((100, 1, 1, 1), False), ((30, 0, 30, 30, 13), True)])
+def test_short_path_counts_the_longest_sequence(lens, short, rng, tune, launch_log):
+    """The plan counts a varlen call's pairs as its scan sees them: value heads times the tokens over
+    the longest sequence's (forward.scan_pairs). With the threshold at 6 and two value heads, four
+    equal sequences make 7 pairs (short path), one long and three single tokens 2 (chunk-wide), an
+    empty one counts nothing."""
+    tune(short_min_pairs=6)
+    case = Case(seqlens=lens, H=1, HV=2, gate="safe")
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    with use_backend("triton"), torch.no_grad():
+        o, s = chunk_kda(**x)
+    assert bool(launched(launch_log, "kda_fwd_short_kernel")) is short
+    o_ref, s_ref = reference(x)
+    check("o", o, o_ref, tol_for(case.dtype, "triton"))
+
+
 SHORT_ANY_GATE = {  # (case, raw gates forced 16-token chunk by chunk, grown on the GPU tier): "small" and
     # "near" (an exponent of 57.7, just within 2^60) take the middle anchor; "huge", "front" and "edge"
     # (at a bound of -8: 92) the half-segment levels

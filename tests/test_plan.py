@@ -62,6 +62,8 @@ def test_short_path_choice(B, T, H, HV, dtype, kw, train, short):
         assert plan_for(opts_for(B, T, H, HV, dtype=torch.float16, **kw), torch.float16,
                         short_min_pairs=1).short.form_u is False
         assert plan_for(opts_for(B, T, H, HV, K=256, dtype=dtype, **kw), dtype, short_min_pairs=1).short is None
+        few = P.chunk_plan(opts, dtype, train, 1, H200, P.Tuning(), pairs=P.Tuning().short_min_pairs - 1)
+        assert few.short is None  # a skewed varlen call: fewer pairs than sequences x value heads
     else:
         assert p.forward.chunk == opts.chunk_size and "short" not in p.describe()
 

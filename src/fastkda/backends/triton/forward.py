@@ -19,6 +19,7 @@ import torch
 
 from ...alloc import new_empty
 from ...options import GateMode, KDAInputs, KDAOptions, graph_chunk_slots
+from ...seqlens import seqlens_derived
 from .chunk_gates import kda_fwd_gates_kernel
 from .common import chunk_grid, chunk_tables, chunk_tables_static, gate_launch, launch
 from .intra import kda_fwd_intra_chunk_kernel, kda_fwd_intra_kernel
@@ -55,6 +56,23 @@ def chunk_count(opts: KDAOptions, cu_seqlens, cu_host) -> int:
     if opts.graph:
         return graph_chunk_slots(opts.shape.T, opts.shape.N, opts.chunk_size)
     return chunk_tables_of(opts, cu_seqlens, cu_host)[2]
+
+
+def scan_pairs(opts: KDAOptions, cu_host) -> int:
+    """The (sequence, value head) pairs of a call as its scan sees them (the plan's ``pairs``): value
+    heads times the tokens over the longest sequence's, which is sequences x value heads for a dense
+    batch and fewer for a skewed varlen one (the longest sequence's chain outlasts the others).
+    use_graph, whose lengths the host never sees: sequences x value heads."""
+    s = opts.shape
+    if opts.graph or cu_host is None:
+        return s.N * s.HV
+
+    def make():
+        lens = (cu_host[1:] - cu_host[:-1]).tolist()
+        return sum(lens), max(lens, default=0)
+
+    tokens, longest = seqlens_derived(cu_host, ("tokens", "longest"), make)
+    return s.HV * tokens // longest if longest > 0 else 0
 
 
 def chunk_tables_of(opts: KDAOptions, cu_seqlens, cu_host, C: int | None = None

@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 from ...options import KDAInputs, KDAOptions
 from .backward import gradients
 from .common import contiguous_inputs, current_record, graph_seqlens, recording
-from .forward import Stage1, chunk_count, chunk_tables_of, forward_stages, short_forward
+from .forward import Stage1, chunk_count, chunk_tables_of, forward_stages, scan_pairs, short_forward
 from .plan import ChunkPlan, chunk_plan, current_tuning, device_facts
 
 
@@ -32,7 +32,8 @@ def plan_of(opts: KDAOptions, x: KDAInputs, train: bool) -> ChunkPlan:
     """The plan of a call on inputs ``x`` (the current tuning, this device's facts)."""
     tuning = current_tuning()
     chunks = chunk_count(opts, x.cu_seqlens, x.cu_seqlens_cpu)
-    return chunk_plan(opts, x.q.dtype, train, chunks, device_facts(x.q.device, tuning), tuning)
+    return chunk_plan(opts, x.q.dtype, train, chunks, device_facts(x.q.device, tuning), tuning,
+                      scan_pairs(opts, x.cu_seqlens_cpu))
 
 
 def graph_inputs(opts: KDAOptions, x: KDAInputs) -> tuple[KDAInputs, torch.Tensor | None]:

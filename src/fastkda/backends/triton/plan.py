@@ -501,15 +501,14 @@ def _scan(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, chunks: int, out
                     chunk=opts.chunk_size, u_prec=s1.wu_prec if form_u else dot_prec)
 
 
-def short_path(opts: KDAOptions, train: bool, tuning: Tuning) -> bool:
+def short_path(opts: KDAOptions, train: bool, tuning: Tuning, pairs: int) -> bool:
     """Whether an inference call takes the short path: non-positive gates (bounded, or activated in
     the kernel), features of at most 128, no intermediate states asked for (they are the chunk
-    size's), and enough (sequence, value head) pairs that the scan's longer chain of 16-token steps
-    costs less than the chunk-wide stage 1 it saves (docs/kernels.md)."""
-    s = opts.shape
-    return (not train and tuning.short_min_pairs is not None and s.N * s.HV >= tuning.short_min_pairs
+    size's), and enough (sequence, value head) pairs (``pairs``: forward.scan_pairs) that the scan's
+    longer chain of 16-token steps costs less than the chunk-wide stage 1 it saves (docs/kernels.md)."""
+    return (not train and tuning.short_min_pairs is not None and pairs >= tuning.short_min_pairs
             and (opts.safe_gate or opts.gate != GateMode.PREGATED) and not opts.return_intermediate_states
-            and max(s.K, s.V) <= 128)
+            and max(opts.shape.K, opts.shape.V) <= 128)
 
 
 def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, dot: Dot) -> tuple[ShortPlan, ScanPlan]:
@@ -553,12 +552,14 @@ def _backward(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, dev: Device,
 
 @functools.lru_cache(maxsize=256)
 def chunk_plan(opts: KDAOptions, dtype: torch.dtype, train: bool, chunks: int, dev: Device,
-               tuning: Tuning) -> ChunkPlan:
+               tuning: Tuning, pairs: int | None = None) -> ChunkPlan:
     """The plan of a chunk_kda call on inputs of ``dtype`` with ``chunks`` chunk slots (a pure
-    function; cached). ``train``: the forward of a training step, whose backward reads stage 1."""
+    function; cached). ``train``: the forward of a training step, whose backward reads stage 1.
+    ``pairs``: the (sequence, value head) pairs as the scan sees them (forward.scan_pairs; None:
+    sequences x value heads)."""
     dot = dot_for(dtype, dev.interpret)
     s1 = _stage1(opts, dtype, train, dev, tuning, dot)
-    if short_path(opts, train, tuning):
+    if short_path(opts, train, tuning, opts.shape.N * opts.shape.HV if pairs is None else pairs):
         short, fwd = _short(opts, dtype, dev, tuning, dot)
         return ChunkPlan(train=False, dot=dot, chunks=chunks, stage1=s1, forward=fwd, recompute=None, backward=None,
                          short=short)
