@@ -88,8 +88,10 @@ def copy_bandwidth():
     return 2 * a.numel() / ms / 1e9  # TB/s: bytes read + written
 
 
-KNOWN_LIBS = ("fastkda", "fla", "flashkda")
-LIBS = ("fastkda", "fla")  # the libraries timed (--libs; flashkda: the forward only)
+KNOWN_LIBS = ("fastkda", "fla", "flashkda", "fastkda-chunk")
+# the libraries timed (--libs); flashkda and fastkda-chunk (fastkda's chunk-wide path, the short one
+# off: the plan's other choice) in the forward suite only
+LIBS = ("fastkda", "fla")
 
 
 def _fla_op(name):
@@ -142,10 +144,23 @@ def flashkda_takes(x: dict, kw: dict) -> bool:
             and kw.get("use_qk_l2norm_in_kernel") and kw.get("use_beta_sigmoid_in_kernel"))
 
 
+def _chunk_wide(fn):
+    """fastkda's ``fn`` on its chunk-wide path whatever the plan would take (Tuning.short_min_pairs off)."""
+    from fastkda.backends.triton.plan import tuned
+
+    def call(**kw):
+        with tuned(short_min_pairs=None):
+            return fn(**kw)
+
+    return call
+
+
 def _impls():
     import fastkda
 
     impls = _with_fla({"fastkda": fastkda.chunk_kda}, "chunk_kda")
+    if "fastkda-chunk" in LIBS:
+        impls["fastkda-chunk"] = _chunk_wide(fastkda.chunk_kda)
     flashkda = _flashkda_forward()
     return impls if flashkda is None else {**impls, "flashkda": flashkda}
 
@@ -229,7 +244,7 @@ def _cold_one(lib: str, case: str):
 
 def bench_compile(cases):
     rows = []
-    libs = list(_impls())
+    libs = [lib for lib in _impls() if lib in ("fastkda", "fla")]  # the libraries whose compilation is Triton's
     for case in cases:
         row = {"case": case}
         for lib in libs:
@@ -563,17 +578,21 @@ def render(path):
     fwd = res["suites"].get("forward")
     if fwd and any("fastkda" in r for r in fwd):
         flash = any("flashkda" in r for r in fwd)  # FlashKDA's columns where it was timed
+        wide = any("fastkda-chunk" in r for r in fwd)  # fastkda's chunk-wide path beside the plan's
         md = [head, "",
               "bf16, K=V=128, gate activation (safe: lower_bound=-5), l2norm and beta sigmoid in the kernel; inference mode. "
               + GATE_PARAMS,
               "Ratio = fla time / fastkda time (> 1: fastkda faster)"
               + (", likewise FlashKDA's (its kernel takes the safe-gate cases without grouped value heads)" if flash else "")
               + ". Floor = q, k, v, g, beta read once and o written once "
-              "at the copy bandwidth. Error = relative RMS against the float64 reference (first 2048 tokens).", "",
-              "| case | fastkda ms | fla ms | ratio" + (" | FlashKDA ms | ratio" if flash else "")
+              "at the copy bandwidth. Error = relative RMS against the float64 reference (first 2048 tokens)."
+              + (" The chunk-wide column: fastkda with its short path off (the plan's other choice)." if wide else ""),
+              "",
+              "| case | fastkda ms" + (" | chunk-wide ms" if wide else "") + " | fla ms | ratio"
+              + (" | FlashKDA ms | ratio" if flash else "")
               + " | fastkda GB/s (floor ms) | first call fastkda / fla (s) | peak +GiB fastkda / fla | error fastkda / fla"
               + (" / FlashKDA" if flash else "") + " |",
-              "|---|---:|---:|---:" + ("|---:|---:" if flash else "") + "|---:|---:|---:|---:|"]
+              "|---|---:|---:|---:" + ("|---:" if wide else "") + ("|---:|---:" if flash else "") + "|---:|---:|---:|---:|"]
         for r in fwd:
             a, b, c = r["fastkda"], r.get("fla"), r.get("flashkda")
             floor = a["gbps"] * a["ms"] / 1e3 / bw  # bytes / bandwidth, in ms
@@ -581,7 +600,8 @@ def render(path):
             flash_cols = (f" | {c['ms']:.3f} | {c['ms'] / a['ms']:.2f}x" if c else " | - | -") if flash else ""
             err = f"{a['err']:.1e} / " + (f"{b['err']:.1e}" if b else "-") + ((f" / {c['err']:.1e}" if c else " / -")
                                                                              if flash else "")
-            md.append(f"| {r['case']} | {a['ms']:.3f} | {fla_cols}{flash_cols} | {a['gbps']:.0f} ({floor:.3f}) "
+            wide_col = (f" | {r['fastkda-chunk']['ms']:.3f}" if "fastkda-chunk" in r else " | -") if wide else ""
+            md.append(f"| {r['case']} | {a['ms']:.3f}{wide_col} | {fla_cols}{flash_cols} | {a['gbps']:.0f} ({floor:.3f}) "
                       f"| {a['first_s']:.1f} / " + (f"{b['first_s']:.1f}" if b else "-")
                       + f" | {a['peak_gib']:.2f} / " + (f"{b['peak_gib']:.2f}" if b else "-") + f" | {err} |")
         cold = res["suites"].get("compile")
@@ -687,12 +707,13 @@ def main():
                    help="forward/backward cases whose name contains one of these comma-separated words")
     p.add_argument("--libs", default=",".join(LIBS), type=lambda x: tuple(n.strip() for n in x.split(",")),
                    help="comma list of the libraries timed: fastkda (always), fla (without it: no ratios), "
-                        "flashkda (forward suite: FlashKDA's own kernel, where it is installed)")
+                        "flashkda (forward suite: FlashKDA's own kernel, where it is installed), fastkda-chunk "
+                        "(forward suite: fastkda's chunk-wide path)")
     p.add_argument("--cold-one", nargs=2, metavar=("LIB", "CASE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     unknown = set(args.libs) - set(KNOWN_LIBS)
     if unknown or "fastkda" not in args.libs:
-        raise SystemExit(f"--libs {','.join(args.libs)}: name fastkda, optionally with fla and flashkda")
+        raise SystemExit(f"--libs {','.join(args.libs)}: name fastkda, optionally with {', '.join(KNOWN_LIBS[1:])}")
     LIBS = args.libs
     if args.cold_one:
         os.environ.setdefault("FASTKDA_BACKEND", "triton")

@@ -73,7 +73,7 @@ def test_bench_ops_render(tmp_path, sections, monkeypatch):
 
 def test_bench_ops_render_flashkda(tmp_path, sections, monkeypatch):
     """FlashKDA's columns appear where it was timed: its time and ratio, its error; '-' on the cases
-    its kernel does not take."""
+    its kernel does not take. Likewise fastkda's chunk-wide path (--libs fastkda-chunk)."""
     import bench_ops
 
     monkeypatch.setattr(bench_ops, "write_section", lambda name, md, *a, **k: sections.__setitem__(name, md))
@@ -91,6 +91,13 @@ def test_bench_ops_render_flashkda(tmp_path, sections, monkeypatch):
     assert "| B1 T8192 H64 | 2.000 | 3.000 | 1.50x | 1.000 | 0.50x | 300 (0.150) |" in md, md
     assert "| 3.0e-03 / 3.0e-03 / 5.0e-03 |" in md
     assert "| B1 T8192 H64 softplus | 2.000 | 3.000 | 1.50x | - | - |" in md, md
+    res["suites"]["forward"][0]["fastkda-chunk"] = {**lib, "ms": 2.5}  # fastkda's other path, where timed
+    path.write_text(json.dumps(res))
+    bench_ops.render(str(path))
+    md = sections["gpu-forward"]
+    assert "| case | fastkda ms | chunk-wide ms | fla ms | ratio | FlashKDA ms | ratio |" in md, md
+    assert "| B1 T8192 H64 | 2.000 | 2.500 | 3.000 | 1.50x | 1.000 | 0.50x |" in md, md
+    assert "| B1 T8192 H64 softplus | 2.000 | - | 3.000 | 1.50x | - | - |" in md, md
     import torch
 
     t = torch.empty(1, 8, 4, 128, dtype=torch.bfloat16, device="meta")
@@ -151,3 +158,26 @@ def test_ncu_step_table(tmp_path):
     assert rows[2] == "| kda_a_kernel | 16384 x 128 | 726.72 us | 19.62 | 65.73 | 31.74 | 255 | 12.31 | 1,900,544 | 6.16 |"
     assert rows[3] == "| kda_b_kernel | 128 x 256 | 1.54 ms | 19.62 | 65.73 | 31.74 | 168 | 12.31 | 0 | 6.16 |"
     assert len(rows) == 4
+
+
+def test_bench_ops_chunk_wide_lib(monkeypatch):
+    """--libs fastkda-chunk times fastkda with its short path off, beside the plan's choice."""
+    import bench_ops
+    import torch
+    from conftest import BACKENDS, DEVICE
+
+    if "triton" not in BACKENDS:
+        pytest.skip("no Triton")
+    import fastkda
+    from fastkda.backends.triton.common import recorded_launches
+    from fastkda.backends.triton.plan import tuned
+    from fastkda.testing import Case, make_inputs
+
+    monkeypatch.setattr(bench_ops, "LIBS", ("fastkda", "fastkda-chunk"))
+    impls = bench_ops._impls()
+    x = make_inputs(Case(T=20, gate="safe"), device=DEVICE)
+    with fastkda.use_backend("triton"), tuned(short_min_pairs=1), torch.no_grad(), recorded_launches() as log:
+        impls["fastkda"](**x)
+        impls["fastkda-chunk"](**x)
+    names = [e.name for e in log]
+    assert names.count("kda_fwd_short_kernel") == 1 and names.count("kda_fwd_gates_kernel") == 1, names
