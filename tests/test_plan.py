@@ -57,7 +57,7 @@ def test_short_path_choice(B, T, H, HV, dtype, kw, train, short):
     if short:
         assert (p.forward.chunk, p.forward.BV, p.forward.launch.stages) == (16, 64, 3 if dtype != torch.float32 else 2)
         assert p.forward.form_u and p.short.form_u and p.short.bounded is opts.safe_gate
-        assert p.recompute is None and p.backward is None
+        assert p.stage1 is None and p.recompute is None and p.backward is None
         assert "short path" in p.describe() and "16-token steps" in p.describe()
         assert plan_for(opts_for(B, T, H, HV, dtype=torch.float16, **kw), torch.float16,
                         short_min_pairs=1).short.form_u is False

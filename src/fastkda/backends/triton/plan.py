@@ -345,7 +345,7 @@ class ChunkPlan:
     train: bool
     dot: Dot
     chunks: int  # chunk slots of the launch grids
-    stage1: Stage1Plan
+    stage1: Stage1Plan | None  # None on the short path
     forward: ScanPlan  # the call's own scan
     recompute: ScanPlan | None  # training: the backward's recomputation of the scan
     backward: BackwardPlan | None
@@ -353,7 +353,6 @@ class ChunkPlan:
 
     def describe(self) -> str:
         """The plan as text, one stage per line (what ``fastkda.explain`` prints)."""
-        s = self.stage1
         if self.short is not None:
             sp, sc = self.short, self.forward
             lines = [f"chunk plan: inference, 16-token chunks, products {self.dot.prec}"]
@@ -364,6 +363,7 @@ class ChunkPlan:
             lines.append(f"  scan: 16-token steps, {sc.BV} value columns {_fmt(sc.launch)}"
                          + (f"; forms u ({sc.u_prec})" if sc.form_u else ""))
             return "\n".join(lines)
+        s = self.stage1
         lines = [f"chunk plan: {'training' if self.train else 'inference'}, {self.chunks} chunk slots, "
                  f"products {self.dot.prec}"]
         path = "whole-chunk" if s.whole else "block"
@@ -558,11 +558,11 @@ def chunk_plan(opts: KDAOptions, dtype: torch.dtype, train: bool, chunks: int, d
     ``pairs``: the (sequence, value head) pairs as the scan sees them (forward.scan_pairs; None:
     sequences x value heads)."""
     dot = dot_for(dtype, dev.interpret)
-    s1 = _stage1(opts, dtype, train, dev, tuning, dot)
     if short_path(opts, train, tuning, opts.shape.N * opts.shape.HV if pairs is None else pairs):
         short, fwd = _short(opts, dtype, dev, tuning, dot)
-        return ChunkPlan(train=False, dot=dot, chunks=chunks, stage1=s1, forward=fwd, recompute=None, backward=None,
+        return ChunkPlan(train=False, dot=dot, chunks=chunks, stage1=None, forward=fwd, recompute=None, backward=None,
                          short=short)
+    s1 = _stage1(opts, dtype, train, dev, tuning, dot)
     fwd = _scan(opts, dtype, s1, chunks, True, train and opts.disable_recompute, dev, tuning, dot.prec)
     recompute = _scan(opts, dtype, s1, chunks, False, True, dev, tuning, dot.prec) if train else None
     bwd = _backward(opts, dtype, s1, dev, tuning, dot) if train else None
