@@ -54,7 +54,7 @@ def compile_one(r, arch):
     consts = {}
     if r["constexprs"].get("EMU"):  # the interpreter's bf16 product emulation: off on a GPU (dot_config)
         r = {**r, "constexprs": {**r["constexprs"], "EMU": False}}
-    for key in ("PREC", "U_PREC", "X_PREC"):  # the same, as a precision (the plan's intra_prec, wu_prec, ...)
+    for key in ("PREC", "U_PREC"):  # the same, as a precision (the plan's intra_prec, wu_prec, ...)
         if r["constexprs"].get(key) == "bf16_emulated":
             r = {**r, "constexprs": {**r["constexprs"], key: "bf16"}}
     for name, value in r["constexprs"].items():

@@ -293,8 +293,7 @@ class ShortPlan:
     """Forward stage 1 on 16-token chunks in one kernel (short.py), for inference."""
 
     bounded: bool  # safe_gate: the middle anchor on every chunk (no span test, no levels)
-    prec: str  # the Aqk, Akk products
-    x_prec: str  # w = X (beta k e^G) (and u where stage 1 forms it)
+    prec: str  # the Aqk, Akk products and w = X (beta k e^G) (and u where stage 1 forms it)
     form_u: bool  # X stored (float32), u formed in the scan
     softplus_form: int
     heads_first: bool
@@ -358,7 +357,7 @@ class ChunkPlan:
             lines = [f"chunk plan: inference, 16-token chunks, products {self.dot.prec}"]
             lines.append(f"  stage 1: short path, 16-token chunks in one kernel {_fmt(sp.launch)}; middle anchor"
                          + ("" if sp.bounded else " (half-segment levels where the gates span more)")
-                         + f"; intra {sp.prec}, w/u {sp.x_prec}; "
+                         + f"; products {sp.prec}; "
                          + ("X float32 for the scan" if sp.form_u else "u in stage 1"))
             lines.append(f"  scan: 16-token steps, {sc.BV} value columns {_fmt(sc.launch)}"
                          + (f"; forms u ({sc.u_prec})" if sc.form_u else ""))
@@ -518,7 +517,7 @@ def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, do
     # X kept in float32 for the scan's u (fewer bytes than u, and no rounding of u); float16 inputs
     # form u in stage 1 (a tf32 product beside the scan's float16 ones faulted on the H200, Triton 3.6)
     form_u = dtype != torch.float16
-    sp = ShortPlan(bounded=opts.safe_gate, prec=low, x_prec=low, form_u=form_u,
+    sp = ShortPlan(bounded=opts.safe_gate, prec=low, form_u=form_u,
                    softplus_form=softplus_form(dtype, dev.interpret, tuning), heads_first=tuning.heads_first,
                    BK=BK, BV=BV, launch=tuning.short)
     bv = min(BV, tuning.short_scan_bv)

@@ -39,11 +39,10 @@ def _next_rows(b_x, o_i):
 
 
 @triton.jit
-def _middle_anchor(b_q, b_k, b_m, PREC: tl.constexpr):
-    """(Aqk, Akk) [16, 16] unmasked, unscaled, from b_m = G - G_8 [16, BK]: row factors e^(G_i - G_8),
-    column factors e^(G_8 - G_j)."""
-    b_c = tl.trans(b_k * tl.exp2(-b_m))
-    b_r = tl.exp2(b_m)
+def _middle_anchor(b_q, b_k, b_r, b_ri, PREC: tl.constexpr):
+    """(Aqk, Akk) [16, 16] unmasked, unscaled, from the row factors b_r = e^(G_i - G_8) and the column
+    factors b_ri = e^(G_8 - G_j) [16, BK]."""
+    b_c = tl.trans(b_k * b_ri)
     return prod(b_q * b_r, b_c, PREC), prod(b_k * b_r, b_c, PREC)
 
 
@@ -53,7 +52,7 @@ def kda_fwd_short_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, L2NORM: tl.constexpr,
     SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    BOUNDED: tl.constexpr, PREC: tl.constexpr, X_PREC: tl.constexpr, FORM_U: tl.constexpr,
+    BOUNDED: tl.constexpr, PREC: tl.constexpr, FORM_U: tl.constexpr,
 ):
     """One 16-token chunk of one value head. Aqk and Akk from the middle anchor (token 8: factors
     e^(G_i - G_8) on rows, e^(G_8 - G_j) on columns); BOUNDED (gates >= -5 nats) keeps every factor
@@ -61,7 +60,7 @@ def kda_fwd_short_kernel(
     of the gates between its token and the anchor, and a chunk whose factors would pass 2^SPAN
     takes the four half-segment levels (tiles.split_level), whose factors are <= 1. A non-finite
     gate makes its whole feature column of the chunk non-finite (the shift of _next_rows is a
-    product). PREC: the Aqk, Akk products; X_PREC: w's and u's.
+    product). PREC: the Aqk, Akk, w and u products.
     FORM_U: X goes to xs (the scan forms u = X (beta v)), u is not written."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, 16, IS_VARLEN, 1, HEADS_FIRST)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
@@ -83,16 +82,22 @@ def kda_fwd_short_kernel(
 
     b_G = tl.cumsum(b_g, 0)  # G   [16, BK]
     if BOUNDED:
-        # |G| <= 16 * 7.22 (base 2): a difference of two float32 sums is off by about 1e-5 at most
-        b_Aqk, b_Akk = _middle_anchor(b_q, b_k, b_G - row_of(b_G, o_i, 8)[None, :], PREC)
-        b_dl = row_of(b_G, o_i, 15)[None, :] - b_G
+        # |G| <= 16 * 7.22 (base 2): a difference of two float32 sums is off by about 1e-5 at most;
+        # every factor below is within 2^58 and their products within 2^116 (normal in float32), so
+        # e^G and e^(G_15 - G) are products of the anchor's factors, not exponentials of their own
+        b_G8 = row_of(b_G, o_i, 8)
+        b_r = tl.exp2(b_G - b_G8[None, :])
+        b_ri = tl.exp2(b_G8[None, :] - b_G)
+        b_Aqk, b_Akk = _middle_anchor(b_q, b_k, b_r, b_ri, PREC)
+        b_e = b_r * tl.exp2(b_G8)[None, :]
+        b_ed = b_ri * tl.exp2(tl.sum(b_g, 0) - b_G8)[None, :]  # e^(G_15 - G)
     else:
         b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
         # G_i - G_8 as sums: the gates 9..i (i >= 8, <= 0) or minus the gates i+1..8 (i < 8, >= 0)
         b_m = tl.where((o_i >= 8)[:, None], tl.cumsum(tl.where((o_i >= 9)[:, None], b_g, 0.0), 0),
                        -tl.cumsum(tl.where((o_i <= 7)[:, None], b_gn, 0.0), 0, reverse=True))
         if tl.max(tl.abs(b_m)) <= SPAN:
-            b_Aqk, b_Akk = _middle_anchor(b_q, b_k, b_m, PREC)
+            b_Aqk, b_Akk = _middle_anchor(b_q, b_k, tl.exp2(b_m), tl.exp2(-b_m), PREC)
         else:
             b_Aqk = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)  # factor 1
             b_Akk = tl.zeros([16, 16], tl.float32)
@@ -101,22 +106,22 @@ def kda_fwd_short_kernel(
                 b_c = tl.trans(b_k * b_f)
                 b_Aqk += tl.where(m_l, prod(b_q * b_r, b_c, PREC), 0.0)
                 b_Akk += tl.where(m_l, prod(b_k * b_r, b_c, PREC), 0.0)
-        b_dl = tl.cumsum(b_gn, 0, reverse=True)  # G_15 - G as the sum of the gates after each token
+        b_e = tl.exp2(b_G)
+        b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G as the sum of the gates after each token
     b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk * scale, 0.0)
     b_X = inv_unit_lower(tl.where(o_i[:, None] > o_i[None, :], b_Akk * b_b[:, None], 0.0), o_i)
 
-    b_e = tl.exp2(b_G)
     store_tile(Aqk, b_Aqk, bos, t0, T_seq, i_hv, HV, 16, o_i, o_i)
     store_tile(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
-    store_tile(kd, b_k * tl.exp2(b_dl), bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
-    store_tile(w, prod(b_X, b_k * b_b[:, None] * b_e, X_PREC), bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
+    store_tile(kd, b_k * b_ed, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
+    store_tile(w, prod(b_X, b_k * b_b[:, None] * b_e, PREC), bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
     tl.store(gl + i_p * K + o_k, tl.exp2(tl.sum(b_g, 0)), mask=m_k)
     if FORM_U:
         tl.store(xs + i_p * 256 + o_i[:, None] * 16 + o_i[None, :], b_X)
     else:
         o_v = tl.arange(0, BV)
         b_v = load_tile(v, bos, t0, T_seq, i_hv, HV, V, o_i, o_v) * b_b[:, None]
-        store_tile(u, prod(b_X, b_v, X_PREC), bos, t0, T_seq, i_hv, HV, V, o_i, o_v)
+        store_tile(u, prod(b_X, b_v, PREC), bos, t0, T_seq, i_hv, HV, V, o_i, o_v)
 
 
 class ShortStage1(NamedTuple):
@@ -152,5 +157,5 @@ def short_stage1(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs,
                opts.scale, **gate_launch(opts, x.A_log, x.dt_bias), T=T, H=H, HV=HV, K=K, V=V, BK=sp.BK, BV=sp.BV,
                FAST=sp.softplus_form, L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
                IS_VARLEN=x.cu_seqlens is not None, HEADS_FIRST=sp.heads_first, BOUNDED=sp.bounded, PREC=sp.prec,
-               X_PREC=sp.x_prec, FORM_U=sp.form_u, **sp.launch.kwargs())
+               FORM_U=sp.form_u, **sp.launch.kwargs())
     return ShortStage1(w, u, xs, qg, kd, Aqk, gl, chunk_indices, chunk_offsets, NT)
