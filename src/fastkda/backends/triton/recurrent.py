@@ -51,6 +51,7 @@ ERR_BASE = 8
 # the same codes as kernel constants (a kernel reads only globals that are tl.constexpr)
 _ERR_SLOT, _ERR_ACCEPTED, _ERR_TOKENS = tl.constexpr(ERR_SLOT), tl.constexpr(ERR_ACCEPTED), tl.constexpr(ERR_TOKENS)
 _ERR_SHARED, _ERR_BASE = tl.constexpr(ERR_SHARED), tl.constexpr(ERR_BASE)
+_NONE = tl.constexpr(2**31 - 1)  # no error yet: above every code, for a running minimum
 
 
 @triton.jit
@@ -81,15 +82,14 @@ def pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS, BC: t
 def rows_first_error(acc, o_n, m_n, L, b_idx, num_slots, COLS, SPEC: tl.constexpr):
     """[BN] per sequence of a pool_rows block: its error code (kind + ERR_BASE * sequence) for a
     slot outside [-1, num_slots), an accepted-token count outside [1, COLS] or more tokens than
-    COLS; NONE (2**31 - 1) for a sequence without one."""
-    NONE: tl.constexpr = 2**31 - 1
+    COLS; _NONE for a sequence without one."""
     m_bad = (b_idx < -1) | (b_idx >= num_slots)  # the entries outside the rows hold -1
     b_kind = tl.where(tl.sum(m_bad.to(tl.int32), 1) > 0, _ERR_SLOT, 0)
     if SPEC:
         b_a = tl.load(acc + o_n, mask=m_n, other=1).to(tl.int64)
         b_kind = tl.where((b_a < 1) | (b_a > COLS), _ERR_ACCEPTED, b_kind)
         b_kind = tl.where(L > COLS, _ERR_TOKENS, b_kind)
-    return tl.where(m_n & (b_kind != 0), b_kind + _ERR_BASE * o_n, NONE)
+    return tl.where(m_n & (b_kind != 0), b_kind + _ERR_BASE * o_n, _NONE)
 
 
 @triton.jit
@@ -104,8 +104,7 @@ def kda_check_indices_kernel(idx, acc, cu_seqlens, scratch, sticky, N, T, num_sl
     decode kernel may start at once (it waits for this one before it reads scratch)."""
     if PDL:
         gdc_launch_dependents()
-    NONE: tl.constexpr = 2**31 - 1
-    b_first = tl.full([BN], NONE, tl.int32)
+    b_first = tl.full([BN], _NONE, tl.int32)
     if UNIQUE:  # the owner table, all accesses atomic (at L2)
         for s0 in range(0, num_slots, BN * BC):
             o_s = s0 + tl.arange(0, BN * BC)
@@ -127,9 +126,9 @@ def kda_check_indices_kernel(idx, acc, cu_seqlens, scratch, sticky, N, T, num_sl
             b_owner = tl.atomic_max(scratch + 1 + tl.where(m_touch, b_idx, 0), tl.zeros([BN, BC], tl.int32),
                                     mask=m_touch)
             m_shared = tl.sum((m_touch & (b_owner != (o_n + 1)[:, None])).to(tl.int32), 1) > 0
-            b_first = tl.minimum(b_first, tl.where(m_n & m_shared, _ERR_SHARED + _ERR_BASE * o_n, NONE))
+            b_first = tl.minimum(b_first, tl.where(m_n & m_shared, _ERR_SHARED + _ERR_BASE * o_n, _NONE))
     b_code = tl.min(b_first, 0)
-    b_code = tl.where(b_code == NONE, 0, b_code)
+    b_code = tl.where(b_code == _NONE, 0, b_code)
     tl.store(scratch + tl.arange(0, 1), b_code + tl.zeros([1], tl.int32))
     if KEEP:
         tl.atomic_cas(sticky, 0, b_code)
@@ -141,7 +140,6 @@ def call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC: tl.c
     """The code kda_check_indices_kernel gives a call of at most BN sequences, made by one program
     from registers (no scratch, no atomics): the decode kernel's own check on small calls. A
     shared slot is found by comparing every touched entry with every other ([BN * BC]^2)."""
-    NONE: tl.constexpr = 2**31 - 1
     o_n, m_n, L, b_idx, m_touch = pool_rows(idx, acc, cu_seqlens, 0, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC,
                                             IS_VARLEN)
     b_first = rows_first_error(acc, o_n, m_n, L, b_idx, num_slots, COLS, SPEC)
@@ -152,9 +150,28 @@ def call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC: tl.c
         # entry i shares its slot with an entry of a later sequence
         m_pair = (b_s[:, None] == b_s[None, :]) & (b_s[:, None] >= 0) & (b_r[:, None] < b_r[None, :])
         m_shared = tl.max(tl.reshape(tl.max(m_pair.to(tl.int32), 1), [BN, BC]), 1) > 0
-        b_first = tl.minimum(b_first, tl.where(m_n & m_shared, _ERR_SHARED + _ERR_BASE * o_n, NONE))
+        b_first = tl.minimum(b_first, tl.where(m_n & m_shared, _ERR_SHARED + _ERR_BASE * o_n, _NONE))
     b_code = tl.min(b_first, 0)
-    return tl.where(b_code == NONE, 0, b_code)
+    return tl.where(b_code == _NONE, 0, b_code)
+
+
+@triton.jit
+def call_check(idx, acc, cu_seqlens, scratch, N, T, num_slots, stride_idx, COLS, BC: tl.constexpr, BN: tl.constexpr,
+               SPEC: tl.constexpr, IS_VARLEN: tl.constexpr, UNIQUE: tl.constexpr, CHECK: tl.constexpr,
+               PDL: tl.constexpr):
+    """(whether the call may write, its error code or 0) for a decode program. CHECK 0: no check;
+    1: the code kda_check_indices_kernel left in scratch[0] (with PDL, waiting for that kernel
+    first; the code itself stays there); 2: call_error, made here."""
+    call_ok = True
+    code = 0
+    if CHECK == 1:
+        if PDL:
+            gdc_wait()
+        call_ok = tl.load(scratch) == 0
+    elif CHECK == 2:
+        code = call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC, IS_VARLEN, UNIQUE)
+        call_ok = code == 0
+    return call_ok, code
 
 
 @triton.jit
@@ -267,14 +284,9 @@ def decode_tile(
     live = m_slot & call_ok
     code = 0
     if CHECK_HERE:  # after the tile's loads, whose latency the check then shares
-        if CHECK == 1:
-            if PDL:
-                gdc_wait()
-            live = live & (tl.load(scratch) == 0)
-        elif CHECK == 2:
-            code = call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC, IS_VARLEN,
-                              INPLACE)
-            live = live & (code == 0)
+        call_ok, code = call_check(idx, acc, cu_seqlens, scratch, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC,
+                                   IS_VARLEN, INPLACE, CHECK, PDL)
+        live = live & call_ok
     tl.store(p_o, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v & m_t)
     if SPEC and INPLACE:
         spec_store(h0, idx, b_S, i_n, 0, m_t & live, num_slots, stride_idx, COLS, stride_hs, stride_hh, i_hv, o_h, m_h)
@@ -321,17 +333,8 @@ def kda_recurrent_kernel(
             H, HV, K, V, BK, BV, GATE, HAS_A, HAS_BIAS, L2NORM, SIGMOID, BETA_SCALE, USE_H0, STORE_HT, POOL, SPEC,
             INPLACE, V_FIRST, IS_VARLEN, H_TILE, CHECK, BC, BN, PDL, ONE_TOKEN, True)
     else:
-        code = 0
-        call_ok = True
-        if POOL:
-            if CHECK == 1:
-                if PDL:
-                    gdc_wait()
-                call_ok = tl.load(scratch) == 0
-            elif CHECK == 2:
-                code = call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC, IS_VARLEN,
-                                  INPLACE)
-                call_ok = code == 0
+        call_ok, code = call_check(idx, acc, cu_seqlens, scratch, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC,
+                                   IS_VARLEN, INPLACE, CHECK, PDL)
         for w in tl.range(tl.program_id(0).to(tl.int64), n_tiles, NPROG, num_stages=STAGES):
             decode_tile(
                 w, q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, scratch, call_ok, scale,
