@@ -348,6 +348,7 @@ def test_short_path(axis, rng, tune, launch_log):
     assert names == ["kda_fwd_short_kernel", "kda_fwd_scan_kernel"] or (names == [] and x["q"].shape[1] == 0), names
     scan = launch_log[-1]
     assert scan.args["C"] == 16
+    assert scan.args["A_FULL"]  # stage 1 wrote zeros above Aqk's diagonal: rows load unmasked
     assert (scan.args["u"] is None) == (case.dtype != torch.float16)
     o_ref, s_ref = reference(x)
     tol = tol_for(case.dtype, "triton")

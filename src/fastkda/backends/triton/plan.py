@@ -316,6 +316,7 @@ class ScanPlan:
     output: Launch
     chunk: int  # tokens per step (the call's chunk size, 16 on the short path)
     u_prec: str  # the product u = X (beta v) where the scan forms u
+    a_full: bool = False  # stage 1 wrote Aqk's whole chunk blocks, zeros above the diagonal (short path)
 
 
 @dataclass(frozen=True)
@@ -525,7 +526,7 @@ def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, do
                     launch=Launch(scan_warps(tuning.scan_warps, BK, bv),
                                   scan_stages(tuning.short_scan_stages, BK, bv, dtype.itemsize)),
                     split_output=False, output_bv=min(BV, tuning.output_bv), output=tuning.output, chunk=16,
-                    u_prec="tf32" if dtype == torch.bfloat16 else dot.prec)
+                    u_prec="tf32" if dtype == torch.bfloat16 else dot.prec, a_full=True)
     return sp, scan
 
 
