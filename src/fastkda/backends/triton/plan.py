@@ -294,6 +294,7 @@ class ShortPlan:
 
     bounded: bool  # safe_gate: the middle anchor on every chunk (no span test, no levels)
     prec: str  # the Aqk, Akk products and w = X (beta k e^G) (and u where stage 1 forms it)
+    inv_prec: str  # the products of the 16 x 16 inverse (tiles.inv_unit_lower)
     form_u: bool  # X stored (float32), u formed in the scan
     softplus_form: int
     heads_first: bool
@@ -358,7 +359,7 @@ class ChunkPlan:
             lines = [f"chunk plan: inference, 16-token chunks, products {self.dot.prec}"]
             lines.append(f"  stage 1: short path, 16-token chunks in one kernel {_fmt(sp.launch)}; middle anchor"
                          + ("" if sp.bounded else " (half-segment levels where the gates span more)")
-                         + f"; products {sp.prec}; "
+                         + f"; products {sp.prec}, inverse {sp.inv_prec}; "
                          + ("X float32 for the scan" if sp.form_u else "u in stage 1"))
             lines.append(f"  scan: 16-token steps, {sc.BV} value columns {_fmt(sc.launch)}"
                          + (f"; forms u ({sc.u_prec})" if sc.form_u else ""))
@@ -518,7 +519,10 @@ def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, do
     # X kept in float32 for the scan's u (fewer bytes than u, and no rounding of u); float16 inputs
     # form u in stage 1 (a tf32 product beside the scan's float16 ones faulted on the H200, Triton 3.6)
     form_u = dtype != torch.float16
-    sp = ShortPlan(bounded=opts.safe_gate, prec=low, form_u=form_u,
+    # the inverse in tf32 (operands rounded to nearest) for bfloat16 inputs, whose own rounding is 16
+    # times coarser; exact products for float32 and float16 ones
+    inv_prec = "tf32_rn" if dtype == torch.bfloat16 else "ieee"
+    sp = ShortPlan(bounded=opts.safe_gate, prec=low, inv_prec=inv_prec, form_u=form_u,
                    softplus_form=softplus_form(dtype, dev.interpret, tuning), heads_first=tuning.heads_first,
                    BK=BK, BV=BV, launch=tuning.short)
     bv = min(BV, tuning.short_scan_bv)

@@ -52,7 +52,7 @@ def kda_fwd_short_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, L2NORM: tl.constexpr,
     SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    BOUNDED: tl.constexpr, PREC: tl.constexpr, FORM_U: tl.constexpr,
+    BOUNDED: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr, FORM_U: tl.constexpr,
 ):
     """One 16-token chunk of one value head. Aqk and Akk from the middle anchor (token 8: factors
     e^(G_i - G_8) on rows, e^(G_8 - G_j) on columns); BOUNDED (gates >= -5 nats) keeps every factor
@@ -60,7 +60,7 @@ def kda_fwd_short_kernel(
     of the gates between its token and the anchor, and a chunk whose factors would pass 2^SPAN
     takes the four half-segment levels (tiles.split_level), whose factors are <= 1. A non-finite
     gate makes its whole feature column of the chunk non-finite (the shift of _next_rows is a
-    product). PREC: the Aqk, Akk, w and u products.
+    product). PREC: the Aqk, Akk, w and u products; INV_PREC: the inverse's.
     FORM_U: X goes to xs (the scan forms u = X (beta v)), u is not written."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, 16, IS_VARLEN, 1, HEADS_FIRST)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
@@ -109,7 +109,7 @@ def kda_fwd_short_kernel(
         b_e = tl.exp2(b_G)
         b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G as the sum of the gates after each token
     b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk * scale, 0.0)
-    b_X = inv_unit_lower(tl.where(o_i[:, None] > o_i[None, :], b_Akk * b_b[:, None], 0.0), o_i)
+    b_X = inv_unit_lower(tl.where(o_i[:, None] > o_i[None, :], b_Akk * b_b[:, None], 0.0), o_i, INV_PREC)
 
     store_tile(Aqk, b_Aqk, bos, t0, T_seq, i_hv, HV, 16, o_i, o_i)
     store_tile(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
@@ -157,5 +157,5 @@ def short_stage1(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs,
                opts.scale, **gate_launch(opts, x.A_log, x.dt_bias), T=T, H=H, HV=HV, K=K, V=V, BK=sp.BK, BV=sp.BV,
                FAST=sp.softplus_form, L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
                IS_VARLEN=x.cu_seqlens is not None, HEADS_FIRST=sp.heads_first, BOUNDED=sp.bounded, PREC=sp.prec,
-               FORM_U=sp.form_u, **sp.launch.kwargs())
+               INV_PREC=sp.inv_prec, FORM_U=sp.form_u, **sp.launch.kwargs())
     return ShortStage1(w, u, xs, qg, kd, Aqk, gl, chunk_indices, chunk_offsets, NT)

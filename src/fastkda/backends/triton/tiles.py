@@ -158,14 +158,15 @@ def store_block(x, b_x, row, col, C: tl.constexpr, o_i):
 
 
 @triton.jit
-def inv_unit_lower(b_L, o_i):
+def inv_unit_lower(b_L, o_i, PREC: tl.constexpr = "ieee"):
     """(I + L)^-1 for a strictly lower triangular 16x16 L: L^16 = 0, so with N = -L it is
-    (I + N)(I + N^2)(I + N^4)(I + N^8); six small products instead of a serial substitution."""
+    (I + N)(I + N^2)(I + N^4)(I + N^8); six small products (at prod's PREC) instead of a serial
+    substitution."""
     b_N = -b_L
     b_X = b_N + tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
     for _ in tl.static_range(3):
-        b_N = tl.dot(b_N, b_N, input_precision="ieee")
-        b_X += tl.dot(b_X, b_N, input_precision="ieee")
+        b_N = prod(b_N, b_N, PREC)
+        b_X += prod(b_X, b_N, PREC)
     return b_X
 
 
