@@ -27,7 +27,7 @@ def comp(fn, names, consts, opts, tag):
     print(tag, usage, "smem", k.metadata.shared, "sass lines", sass.count("\n"), "HMMA", sass.count("HMMA"), "BAR", sass.count("BAR.SYNC"))
 
 base = dict(HV=64, K=128, V=128, C=16, BK=128, BV=64, USE_H0=False, STORE_HT=False, V_FIRST=False, IS_VARLEN=False,
-            DT=tl.bfloat16, PREC="bf16", EMU=False, U_IN=True, U_PREC="tf32", SIGMOID=True, BETA_SCALE=1.0)
+            DT=tl.bfloat16, PREC="bf16", EMU=False, U_IN=True, U_PREC="tf32", SIGMOID=True, BETA_SCALE=1.0, A_FULL=True)
 #comp(pair_scan.kda_fwd_scan_kernel, None, dict(base), dict(num_warps=4, num_stages=3), "pair_w4")
 #comp(pair_scan.kda_fwd_scan_kernel, None, dict(base), dict(num_warps=8, num_stages=3), "pair_w8")
 b16 = dict(base, STORE_H=False, STORE_O=True, STORE_VN=False, H_V_FIRST=False)
@@ -35,6 +35,7 @@ b16 = dict(base, STORE_H=False, STORE_O=True, STORE_VN=False, H_V_FIRST=False)
 #comp(pair_scan.kda_fwd_scan_kernel, None, dict(base, BV=32), dict(num_warps=4, num_stages=3), "pair_bv32_w4")
 #comp(pair_scan.kda_fwd_scan_kernel, None, dict(base, BV=32), dict(num_warps=4, num_stages=2), "pair_bv32_w4_s2")
 #comp(scan16.kda_fwd_scan_kernel, None, dict(b16, BV=32), dict(num_warps=4, num_stages=3), "scan16_bv32_w4")
-comp(pair_scan.kda_fwd_scan_kernel, None, dict(base, BV=32), dict(num_warps=2, num_stages=2), "pair_bv32_w2_s2")
-comp(pair_scan.kda_fwd_scan_kernel, None, dict(base, BV=32), dict(num_warps=2, num_stages=3), "pair_bv32_w2_s3")
-comp(scan16.kda_fwd_scan_kernel, None, dict(b16, BV=32), dict(num_warps=2, num_stages=3), "scan16_bv32_w2")
+for bv, w, st in ((128, 8, 2), (128, 8, 3)):
+    comp(pair_scan.kda_fwd_scan_kernel, None, dict(base, BV=bv), dict(num_warps=w, num_stages=st), f"pair_bv{bv}_w{w}_s{st}")
+#comp(scan16.kda_fwd_scan_kernel, None, dict(base, STORE_H=False, STORE_O=True, STORE_VN=False, H_V_FIRST=False),
+#     dict(num_warps=4, num_stages=3), "scan16_bv64_w4_s3")

@@ -8,29 +8,12 @@ import triton.language as tl
 from fastkda.alloc import new_empty
 from fastkda.backends.triton.common import launch, out_alloc, seq_grid, seq_program, sequence_location
 from fastkda.backends.triton.plan import pow2
-from fastkda.backends.triton.tiles import as_operand, load_beta, prod, state_ptrs
+from fastkda.backends.triton.tiles import (activate_beta, as_operand, chunk_decay, chunk_operands, load_beta_raw,
+                                          prod, state_ptrs)
 
 
 @triton.jit
-def _operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV: tl.constexpr, K: tl.constexpr,
-              C: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
-    """chunk_operands, with the decay of a chunk past the sequence 1 (and not read)."""
-    o_c = tl.arange(0, C)
-    o_t = i_t * C + o_c
-    m_t = o_t < T_seq
-    r_t = (bos + o_t).to(tl.int64)[:, None] * HV + i_hv
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_w = as_operand(tl.load(w + r_t * K + o_k[None, :], mask=m_tk, other=0.0), DT, EMU)
-    b_qg = as_operand(tl.load(qg + r_t * K + o_k[None, :], mask=m_tk, other=0.0), DT, EMU)
-    b_kd = as_operand(tl.load(kd + r_t * K + o_k[None, :], mask=m_tk, other=0.0), DT, EMU)
-    m_A = m_t[:, None] & (o_c[:, None] >= o_c[None, :])
-    b_A = as_operand(tl.load(Aqk + r_t * C + o_c[None, :], mask=m_A, other=0.0), DT, EMU)
-    b_gl = tl.load(gl + ((c_off + i_t) * HV + i_hv) * K + o_k, mask=(o_k < K) & (i_t * C < T_seq), other=1.0)
-    return b_w, b_qg, b_kd, b_A, b_gl
-
-
-@triton.jit
-def _u_of(u, xs, v, beta, p_uv, bos, c_off, i_t, NT, T_seq, i_hv, o_c, m_v, HV: tl.constexpr, V: tl.constexpr,
+def _u_of(u, xs, v, b_raw, p_uv, c_off, i_t, NT, T_seq, i_hv, o_c, m_v, HV: tl.constexpr, V: tl.constexpr,
           C: tl.constexpr, U_IN: tl.constexpr, U_PREC: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr):
     o_t = i_t * C + o_c
     m_t = o_t < T_seq
@@ -39,7 +22,7 @@ def _u_of(u, xs, v, beta, p_uv, bos, c_off, i_t, NT, T_seq, i_hv, o_c, m_v, HV: 
         m_X = ((o_c[:, None] // 16) >= (o_c[None, :] // 16)) & (i_t < NT)
         b_X = tl.load(xs + ((c_off + i_t) * HV + i_hv) * C * C + o_c[:, None] * C + o_c[None, :], mask=m_X, other=0.0)
         b_y = tl.load(v + p_uv + r_t * (HV * V), mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_y *= load_beta(beta, bos, i_t * C, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)[:, None]
+        b_y *= activate_beta(b_raw, i_t * C, T_seq, o_c, SIGMOID, BETA_SCALE)[:, None]
         b_u = tl.where(m_t[:, None], prod(b_X, b_y, U_PREC), 0.0)
     else:
         b_u = tl.load(u + p_uv + r_t * (HV * V), mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
@@ -52,7 +35,7 @@ def kda_fwd_scan_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, U_IN: tl.constexpr, U_PREC: tl.constexpr,
-    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
+    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, A_FULL: tl.constexpr,
 ):
     i_v, i_nh = seq_program(V, BV)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -70,17 +53,28 @@ def kda_fwd_scan_kernel(
 
     p_uv = (bos * HV + i_hv) * V + o_v[None, :]
     NT = tl.cdiv(T_seq, C)
+    # the decays and beta of the next pair are loaded a pair ahead (outside the operands' pipeline)
+    b_gla_n = chunk_decay(gl, c_off, 0, T_seq, i_hv, o_k, HV, K, C)
+    b_glb_n = chunk_decay(gl, c_off, 1, T_seq, i_hv, o_k, HV, K, C)
+    b_ba_n = load_beta_raw(beta, bos, 0, T_seq, i_hv, o_c, HV) if U_IN else 0.0
+    b_bb_n = load_beta_raw(beta, bos, C, T_seq, i_hv, o_c, HV) if U_IN else 0.0
     for i_p in range(0, tl.cdiv(NT, 2)):
         i_a = 2 * i_p
         i_b = i_a + 1
+        b_gla, b_glb, b_ba, b_bb = b_gla_n, b_glb_n, b_ba_n, b_bb_n
+        b_gla_n = chunk_decay(gl, c_off, i_a + 2, T_seq, i_hv, o_k, HV, K, C)
+        b_glb_n = chunk_decay(gl, c_off, i_b + 2, T_seq, i_hv, o_k, HV, K, C)
+        if U_IN:
+            b_ba_n = load_beta_raw(beta, bos, (i_a + 2) * C, T_seq, i_hv, o_c, HV)
+            b_bb_n = load_beta_raw(beta, bos, (i_b + 2) * C, T_seq, i_hv, o_c, HV)
         # chunk b may lie past the sequence: its rows are 0 and its decay 1 (a single last chunk)
-        b_wa, b_qa, b_ka, b_Aa, b_gla = _operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_a, T_seq, o_k, HV, K, C,
-                                                       DT, EMU)
-        b_wb, b_qb, b_kb, b_Ab, b_glb = _operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_b, T_seq, o_k, HV, K, C,
-                                                       DT, EMU)
-        b_ua = _u_of(u, xs, v, beta, p_uv, bos, c_off, i_a, NT, T_seq, i_hv, o_c, m_v, HV, V, C, U_IN, U_PREC, SIGMOID,
+        b_wa, b_qa, b_ka, b_Aa, _ = chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_a, T_seq, o_k, HV, K, C,
+                                                   DT, EMU, A_FULL)
+        b_wb, b_qb, b_kb, b_Ab, _ = chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_b, T_seq, o_k, HV, K, C,
+                                                   DT, EMU, A_FULL)
+        b_ua = _u_of(u, xs, v, b_ba, p_uv, c_off, i_a, NT, T_seq, i_hv, o_c, m_v, HV, V, C, U_IN, U_PREC, SIGMOID,
                      BETA_SCALE)
-        b_ub = _u_of(u, xs, v, beta, p_uv, bos, c_off, i_b, NT, T_seq, i_hv, o_c, m_v, HV, V, C, U_IN, U_PREC, SIGMOID,
+        b_ub = _u_of(u, xs, v, b_bb, p_uv, c_off, i_b, NT, T_seq, i_hv, o_c, m_v, HV, V, C, U_IN, U_PREC, SIGMOID,
                      BETA_SCALE)
         # independent of the state: the cross terms of chunk b with chunk a's keys
         b_M1 = as_operand(prod(b_wb, tl.trans(b_ka), PREC), DT, EMU)  # w_b kd_a^T   [C, C]
@@ -121,5 +115,5 @@ def fwd_scan_pairs(opts, plan, scan, w, u, xs, qg, kd, Aqk, gl, chunk_indices, c
                HV=HV, K=K, V=V, C=C, BK=pow2(K), BV=scan.BV, USE_H0=x.initial_state is not None, STORE_HT=ht is not None,
                V_FIRST=opts.state_v_first, IS_VARLEN=x.cu_seqlens is not None, DT=dot.dtype, PREC=dot.prec,
                EMU=dot.emulate, U_IN=scan.form_u, U_PREC=scan.u_prec, SIGMOID=opts.beta_sigmoid,
-               BETA_SCALE=opts.beta_scale, **scan.launch.kwargs())
+               BETA_SCALE=opts.beta_scale, A_FULL=scan.a_full, **scan.launch.kwargs())
     return o, ht, None, None
