@@ -89,8 +89,8 @@ def copy_bandwidth():
 
 
 KNOWN_LIBS = ("fastkda", "fla", "flashkda", "fastkda-chunk")
-# the libraries timed (--libs); flashkda and fastkda-chunk (fastkda's chunk-wide path, the short one
-# off: the plan's other choice) in the forward suite only
+# the libraries timed (--libs); flashkda and fastkda-chunk (fastkda with the short path off) in the
+# forward suite only
 LIBS = ("fastkda", "fla")
 
 
@@ -586,7 +586,7 @@ def render(path):
               + (", likewise FlashKDA's (its kernel takes the safe-gate cases without grouped value heads)" if flash else "")
               + ". Floor = q, k, v, g, beta read once and o written once "
               "at the copy bandwidth. Error = relative RMS against the float64 reference (first 2048 tokens)."
-              + (" The chunk-wide column: fastkda with its short path off (the plan's other choice)." if wide else ""),
+              + (" The chunk-wide column: fastkda with its short path off (the same path as fastkda's column where the plan does not take the short path)." if wide else ""),
               "",
               "| case | fastkda ms" + (" | chunk-wide ms" if wide else "") + " | fla ms | ratio"
               + (" | FlashKDA ms | ratio" if flash else "")

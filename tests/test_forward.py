@@ -376,7 +376,7 @@ def test_short_path_counts_the_longest_sequence(lens, short, rng, tune, launch_l
 
 SHORT_ANY_GATE = {  # (case, raw gates forced 16-token chunk by chunk, grown on the GPU tier): "small" and
     # "near" (an exponent of 57.7, just within 2^60) take the middle anchor; "huge", "front" and "edge"
-    # (at a bound of -8: 92) the half-segment levels
+    # (at a bound of -8: 92) the half-segment levels; the safe gate's chunks always the middle anchor
     "softplus_mixed": (Case(T=112, gate="softplus", A_log_range=(0.0, 2.0)), ("small", "huge", "front"), True),
     "lowerbound_edge_near": (Case(T=96, gate="lowerbound", lower_bound=-8.0, A_log_range=(0.0, 1.0)),
                              ("edge", "near", "small"), True),
@@ -399,10 +399,10 @@ SHORT_ANY_GATE = {  # (case, raw gates forced 16-token chunk by chunk, grown on 
 def test_short_path_any_gate(axis, heads_first, rng, tune, launch_log):
     """Gates forced chunk by chunk on the short path. Unbounded gates: each 16-token chunk takes the
     middle anchor or, where its factors would pass 2^60, the half-segment levels; every exponent
-    built from sums of the gates it spans; float32 inputs at float32's precision. Safe gates at their
-    bound: the middle anchor's extremes, within float32's tolerance (their exponents are differences
-    of cumulative sums down to -115 in base 2, each off by about 1e-5). ``heads_first``: the order of
-    the programs (Tuning.heads_first)."""
+    built from sums of the gates it spans; float32 inputs at float32's precision (1e-6). Safe gates at
+    their bound (the middle anchor's extremes) within 4e-6: e^G and e^(G_15 - G) are products of two
+    exponentials, each the GPU's ex2.approx (2 ulp) there (1.7e-6 measured on the H200; 1.2e-7 in the
+    interpreter). ``heads_first``: the order of the programs (Tuning.heads_first)."""
     tune(short_min_pairs=1, heads_first=heads_first)
     base, layout, grown = SHORT_ANY_GATE[axis]
     case = grow(base, GPU) if grown else base
@@ -414,7 +414,7 @@ def test_short_path_any_gate(axis, heads_first, rng, tune, launch_log):
     assert short == [heads_first], short
     o_ref, s_ref = reference(x)
     tol = tol_for(case.dtype, "triton")
-    exact = 1e-6 if case.dtype == torch.float32 and case.gate != "safe" else tol
+    exact = (4e-6 if case.gate == "safe" else 1e-6) if case.dtype == torch.float32 else tol
     check("o", o, o_ref, exact)
     if case.final_state:
         check("final_state", s, s_ref, exact)

@@ -82,9 +82,9 @@ def kda_fwd_short_kernel(
 
     b_G = tl.cumsum(b_g, 0)  # G   [16, BK]
     if BOUNDED:
-        # |G| <= 16 * 7.22 (base 2): a difference of two float32 sums is off by about 1e-5 at most;
-        # every factor below is within 2^58 and their products within 2^116 (normal in float32), so
-        # e^G and e^(G_15 - G) are products of the anchor's factors, not exponentials of their own
+        # |G| <= 16 * 7.22 (base 2): a difference of two float32 sums is off by about 1e-5 at most.
+        # The anchor's factors lie within 2^58, e^(G_8) and e^(G_15 - G_8) at least 2^-65, and every
+        # product at least 2^-116 (normal float32): e^G and e^(G_15 - G) are such products
         b_G8 = row_of(b_G, o_i, 8)
         b_r = tl.exp2(b_G - b_G8[None, :])
         b_ri = tl.exp2(b_G8[None, :] - b_G)
