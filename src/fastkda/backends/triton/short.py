@@ -90,7 +90,7 @@ def kda_fwd_short_kernel(
         b_ri = tl.exp2(b_G8[None, :] - b_G)
         b_Aqk, b_Akk = _middle_anchor(b_q, b_k, b_r, b_ri, PREC)
         b_e = b_r * tl.exp2(b_G8)[None, :]
-        b_ed = b_ri * tl.exp2(tl.sum(b_g, 0) - b_G8)[None, :]  # e^(G_15 - G)
+        b_ed = b_ri * tl.exp2(row_of(b_G, o_i, 15) - b_G8)[None, :]  # e^(G_15 - G)
     else:
         b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
         # G_i - G_8 as sums: the gates 9..i (i >= 8, <= 0) or minus the gates i+1..8 (i < 8, >= 0)
