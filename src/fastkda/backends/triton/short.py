@@ -6,9 +6,10 @@ what the state scan (scan.py, run with C = 16) reads:
     qg  = scale q e^G      [16, K]      kd = k e^(G_15 - G)    [16, K]
     Aqk (j <= i, times scale) [16, 16]  gl = e^(G_15)          [K] (float32)
 
-with G the cumulative gates from the chunk start (base 2) and X = (I + Diag(beta) Akk)^-1. For
-unbounded gates every exponent is built from sums of at most 8 gates on either side of the chunk's
-middle token, never from a difference of two cumulative sums of the chunk.
+with G the cumulative gates from the chunk start (base 2) and X = (I + Diag(beta) Akk)^-1. The
+first token's gate, unbounded, enters no difference: it is added to e^G's and e^(G_15)'s exponents
+only. A chunk of unbounded gates whose anchor factors would pass 2^SPAN takes the half-segment
+levels, where every exponent is a sum of the gates it spans.
 """
 
 from __future__ import annotations
@@ -55,12 +56,12 @@ def kda_fwd_short_kernel(
     BOUNDED: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr, FORM_U: tl.constexpr,
 ):
     """One 16-token chunk of one value head. Aqk and Akk from the middle anchor (token 8: factors
-    e^(G_i - G_8) on rows, e^(G_8 - G_j) on columns); BOUNDED (gates >= -5 nats) keeps every factor
-    within 2^58, and the exponents are differences of the cumulative gates; otherwise each is a sum
-    of the gates between its token and the anchor, and a chunk whose factors would pass 2^SPAN
-    takes the four half-segment levels (tiles.split_level), whose factors are <= 1. A non-finite
-    gate makes its whole feature column of the chunk non-finite (the shift of _next_rows is a
-    product). PREC: the Aqk, Akk, w and u products; INV_PREC: the inverse's.
+    e^(G_i - G_8) on rows, e^(G_8 - G_j) on columns), their exponents differences of cumulative
+    gates: BOUNDED (gates >= -5 nats) keeps every factor within 2^58; unbounded gates are summed from
+    token 1 (G - g_0, which no factor spans), and a chunk whose factors would pass 2^SPAN takes the
+    four half-segment levels (tiles.split_level), whose factors are <= 1. A non-finite gate reaches
+    its feature's chunk decay, hence the state. PREC: the Aqk, Akk, w and u products; INV_PREC: the
+    inverse's.
     FORM_U: X goes to xs (the scan forms u = X (beta v)), u is not written."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, 16, IS_VARLEN, 1, HEADS_FIRST)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
@@ -80,25 +81,30 @@ def kda_fwd_short_kernel(
     b_k *= rnorm(tl.sum(b_k * b_k, 1), L2NORM)[:, None]
     b_b = load_beta(beta, bos, t0, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)  # [16]
 
-    b_G = tl.cumsum(b_g, 0)  # G   [16, BK]
     if BOUNDED:
         # |G| <= 16 * 7.22 (base 2): a difference of two float32 sums is off by about 1e-5 at most.
         # The anchor's factors lie within 2^58, e^(G_8) and e^(G_15 - G_8) at least 2^-65, and every
         # product at least 2^-116 (normal float32): e^G and e^(G_15 - G) are such products
+        b_G = tl.cumsum(b_g, 0)  # G   [16, BK]
         b_G8 = row_of(b_G, o_i, 8)
+        b_G15 = row_of(b_G, o_i, 15)
         b_r = tl.exp2(b_G - b_G8[None, :])
         b_ri = tl.exp2(b_G8[None, :] - b_G)
         b_Aqk, b_Akk = _middle_anchor(b_q, b_k, b_r, b_ri, PREC)
         b_e = b_r * tl.exp2(b_G8)[None, :]
-        b_ed = b_ri * tl.exp2(row_of(b_G, o_i, 15) - b_G8)[None, :]  # e^(G_15 - G)
+        b_ed = b_ri * tl.exp2(b_G15 - b_G8)[None, :]  # e^(G_15 - G)
     else:
-        b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
-        # G_i - G_8 as sums: the gates 9..i (i >= 8, <= 0) or minus the gates i+1..8 (i < 8, >= 0)
-        b_m = tl.where((o_i >= 8)[:, None], tl.cumsum(tl.where((o_i >= 9)[:, None], b_g, 0.0), 0),
-                       -tl.cumsum(tl.where((o_i <= 7)[:, None], b_gn, 0.0), 0, reverse=True))
+        # token 0's gate enters e^G and the chunk decay only: H = G - g_0, the gates 1..i
+        b_g0 = row_of(b_g, o_i, 0)
+        b_H = tl.cumsum(tl.where((o_i >= 1)[:, None], b_g, 0.0), 0)
+        b_H15 = row_of(b_H, o_i, 15)
+        b_m = b_H - row_of(b_H, o_i, 8)[None, :]  # G - G_8; a gate beyond 2^SPAN shows on some row
         if tl.max(tl.abs(b_m)) <= SPAN:
+            # |H| <= 2 SPAN, as the bounded gate's |G|: its differences are off by about 1e-5 at most
             b_Aqk, b_Akk = _middle_anchor(b_q, b_k, tl.exp2(b_m), tl.exp2(-b_m), PREC)
+            b_ed = tl.exp2(b_H15[None, :] - b_H)  # e^(G_15 - G)
         else:
+            b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
             b_Aqk = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)  # factor 1
             b_Akk = tl.zeros([16, 16], tl.float32)
             for lvl in tl.static_range(4):
@@ -106,8 +112,9 @@ def kda_fwd_short_kernel(
                 b_c = tl.trans(b_k * b_f)
                 b_Aqk += tl.where(m_l, prod(b_q * b_r, b_c, PREC), 0.0)
                 b_Akk += tl.where(m_l, prod(b_k * b_r, b_c, PREC), 0.0)
-        b_e = tl.exp2(b_G)
-        b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G as the sum of the gates after each token
+            b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G as the sum of the gates after each token
+        b_e = tl.exp2(b_H + b_g0[None, :])
+        b_G15 = b_H15 + b_g0
     b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk * scale, 0.0)
     b_X = inv_unit_lower(tl.where(o_i[:, None] > o_i[None, :], b_Akk * b_b[:, None], 0.0), o_i, INV_PREC)
 
@@ -115,7 +122,7 @@ def kda_fwd_short_kernel(
     store_tile(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
     store_tile(kd, b_k * b_ed, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
     store_tile(w, prod(b_X, b_k * b_b[:, None] * b_e, PREC), bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
-    tl.store(gl + i_p * K + o_k, tl.exp2(tl.sum(b_g, 0)), mask=m_k)
+    tl.store(gl + i_p * K + o_k, tl.exp2(b_G15), mask=m_k)
     if FORM_U:
         tl.store(xs + i_p * 256 + o_i[:, None] * 16 + o_i[None, :], b_X)
     else:
