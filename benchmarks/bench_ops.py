@@ -13,6 +13,8 @@ per-token reference where that is affordable.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import os
 import subprocess
@@ -94,17 +96,20 @@ KNOWN_LIBS = ("fastkda", "fla", "flashkda", "fastkda-chunk")
 LIBS = ("fastkda", "fla")
 
 
+@functools.cache
+def _imported(module: str, label: str):
+    """The module ``module``, or None when it does not import (reported once per process)."""
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # report, do not hide
+        print(f"{label} not importable: {type(e).__name__}: {e}")
+        return None
+
+
 def _fla_op(name):
     """fla.ops.kda.<name> when fla-core is timed (--libs) and importable, else None (reported)."""
-    if "fla" not in LIBS:
-        return None
-    try:
-        from fla.ops import kda
-
-        return getattr(kda, name)
-    except Exception as e:  # report, do not hide
-        print(f"fla-core not importable: {type(e).__name__}: {e}")
-        return None
+    kda = _imported("fla.ops.kda", "fla-core") if "fla" in LIBS else None
+    return None if kda is None else getattr(kda, name)
 
 
 def _with_fla(impls: dict, name: str) -> dict:
@@ -117,12 +122,8 @@ def _flashkda_forward():
     """FlashKDA's forward (``flash_kda.fwd``, built from github.com/MoonshotAI/FlashKDA) as a
     chunk_kda-like call returning (o, None), when it is timed (--libs) and importable, else None
     (reported). It takes the cases of ``flashkda_takes``."""
-    if "flashkda" not in LIBS:
-        return None
-    try:
-        import flash_kda
-    except Exception as e:  # report, do not hide
-        print(f"FlashKDA not importable: {type(e).__name__}: {e}")
+    flash_kda = _imported("flash_kda", "FlashKDA") if "flashkda" in LIBS else None
+    if flash_kda is None:
         return None
 
     def forward(q, k, v, g, beta, *, A_log, dt_bias, lower_bound=None, cu_seqlens=None, **_):

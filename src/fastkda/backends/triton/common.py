@@ -40,11 +40,13 @@ _RECORD: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("fastkda_
 
 
 @contextlib.contextmanager
-def recorded_launches(before: Callable[[Launched], None] | None = None) -> Iterator[list[Launched]]:
+def recorded_launches(before: Callable[[Launched], None] | None = None, run: bool = True) -> Iterator[list[Launched]]:
     """The launches made inside the block (this thread or task only), in order; ``before`` is
-    called with each record just before its kernel starts (its arguments as they are then)."""
+    called with each record just before its kernel starts (its arguments as they are then).
+    ``run=False``: the kernels do not run (what a call launches, for tools that count its bytes;
+    the outputs hold whatever their allocation held)."""
     log: list[Launched] = []
-    token = _RECORD.set((log, before))
+    token = _RECORD.set((log, before, run))
     try:
         yield log
     finally:
@@ -78,6 +80,8 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         record[0].append(entry)
         if record[1] is not None:
             record[1](entry)
+        if not record[2]:
+            return
     kernel[grid](*args, **kwargs)
 
 

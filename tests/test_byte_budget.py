@@ -1,0 +1,130 @@
+"""tools/byte_budget.py's table of which arguments each kernel reads and writes (``IO``), checked
+against the kernels themselves: every launch of a call is run again from the arguments it started
+with, once as it was (what changed is what it writes) and once with each floating-point argument
+poisoned with NaN (an argument whose poison reaches what the launch writes is one it reads).
+Integer arguments (chunk tables, flags of chunk forms) are not checked: they hold no NaN."""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import DEVICE
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+MODULES = ("chunk_gates", "intra", "wy", "scan", "output", "short", "bwd_scan", "bwd_wy", "bwd_intra", "bwd_l2norm")
+
+# name: (input dtype, gate, training, initial state and varlen, tuning, the kernels it must launch)
+CALLS = {
+    "whole safe": (torch.bfloat16, "safe", True, False, {}, {
+        "kda_fwd_gates_kernel", "kda_fwd_intra_chunk_kernel", "kda_fwd_inverse_kernel", "kda_fwd_wu_kernel",
+        "kda_fwd_scan_kernel", "kda_bwd_scan_kernel", "kda_bwd_v_kernel", "kda_bwd_k_kernel",
+        "kda_bwd_gate_block_kernel", "kda_bwd_dg_kernel", "kda_bwd_qk_kernel"}),
+    "whole softplus": (torch.bfloat16, "softplus", True, False, {}, {"kda_fwd_gates_kernel"}),
+    "block float32": (torch.float32, "softplus", True, False, {}, {"kda_fwd_intra_kernel", "kda_bwd_gate_kernel"}),
+    "state varlen": (torch.bfloat16, "safe", True, True, {}, {"kda_bwd_scan_kernel"}),
+    "short": (torch.bfloat16, "safe", False, False, dict(short_min_pairs=1), {"kda_fwd_short_kernel"}),
+    "short float16": (torch.float16, "softplus", False, False, dict(short_min_pairs=1), {"kda_fwd_short_kernel"}),
+    "split output": (torch.bfloat16, "safe", False, False, dict(split_min_chunks=1, split_max_programs=1 << 20),
+                     {"kda_fwd_output_kernel"}),
+    "u in scan": (torch.bfloat16, "softplus", False, True, dict(u_in_scan=True), {"kda_fwd_scan_kernel"}),
+}
+
+
+def kernels() -> dict:
+    """The chunk path's jitted kernels by name."""
+    out = {}
+    for m in MODULES:
+        for obj in vars(importlib.import_module(f"fastkda.backends.triton.{m}")).values():
+            if hasattr(obj, "arg_names") and obj.fn.__name__.endswith("_kernel"):
+                out[obj.fn.__name__] = obj
+    return out
+
+
+def launches(dtype, gate, train, state_varlen, tuning, tune):
+    """The launches of one call (with its backward when ``train``), each with its tensor arguments
+    as they were when it started."""
+    import fastkda
+    from fastkda import use_backend
+    from fastkda.backends.triton.common import recorded_launches
+
+    tune(**tuning)
+    gen = torch.Generator().manual_seed(0)
+    T, H, HV, K = 96, 1, 2, 32
+    x = {n: torch.randn(1, T, h, K, generator=gen).to(DEVICE, dtype) for n, h in (("q", H), ("k", H), ("v", HV),
+                                                                               ("g", HV))}
+    x["beta"] = torch.randn(1, T, HV, generator=gen).to(DEVICE, dtype)
+    kw = dict(A_log=torch.empty(HV).uniform_(1, 16, generator=gen).log().to(DEVICE),
+              dt_bias=(torch.randn(HV * K, generator=gen) * 0.1).to(DEVICE), use_gate_in_kernel=True,
+              use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True)
+    if gate == "safe":
+        kw.update(safe_gate=True, lower_bound=-5.0)
+    if state_varlen:
+        kw["cu_seqlens"] = torch.tensor([0, 70, 96], dtype=torch.int32, device=DEVICE)
+        kw["initial_state"] = torch.randn(2, HV, K, K, generator=gen).to(DEVICE)
+    if train:
+        for t in (*x.values(), *(kw[n] for n in ("A_log", "dt_bias", "initial_state") if n in kw)):
+            t.requires_grad_(True)
+    starts = []
+    with use_backend("triton"), recorded_launches(lambda e: starts.append({n: v.detach().clone() for n, v in e.args.items()
+                                                    if isinstance(v, torch.Tensor)})) as log:
+        o, ht = fastkda.chunk_kda(**x, **kw)
+        if train:
+            (o.float().sum() + ht.sum()).backward()
+    return list(zip(log, starts))
+
+
+def _same(a, b):
+    return torch.equal(torch.nan_to_num(a.float(), 1e30), torch.nan_to_num(b.float(), 1e30))
+
+
+def observed(kernel, entry, start: dict) -> tuple[set, set]:
+    """(arguments read, arguments written) of one launch, floating-point ones, by running it again."""
+    tensors = {n: v for n, v in entry.args.items() if isinstance(v, torch.Tensor)}
+
+    def rerun(poison=None):
+        with torch.no_grad():
+            for n, v in tensors.items():
+                v.copy_(start[n])
+            if poison is not None:
+                tensors[poison].fill_(float("nan"))
+            kernel[entry.grid](**entry.args, **entry.options)
+        return {n: v.clone() for n, v in tensors.items()}
+
+    after = rerun()
+    changed = {n: ~((start[n] == after[n]) | (start[n].isnan() & after[n].isnan())) for n in tensors
+               if start[n].is_floating_point()}
+    written = {n for n, m in changed.items() if m.any()}
+    read = set()
+    for n in (n for n in tensors if tensors[n].is_floating_point()):
+        out = rerun(poison=n)  # poison reaching the elements the launch writes
+        if any(not _same(out[m][changed[m]], after[m][changed[m]]) for m in written):
+            read.add(n)
+    return read, written
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_kernel_io(call, tune):
+    import byte_budget
+
+    dtype, gate, train, state_varlen, tuning, must = CALLS[call]
+    table = kernels()
+    checked = set()
+    for entry, start in launches(dtype, gate, train, state_varlen, tuning, tune):
+        t = byte_budget.traffic(entry)
+        floats = {n for n, v in entry.args.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+        read, written = observed(table[entry.name], entry, start)
+        if written:  # a launch with nothing to do (a split pass no chunk took) shows nothing
+            assert (read, written) == (set(t.reads) & floats, set(t.writes) & floats), entry.name
+            checked.add(entry.name)
+    assert must <= checked
+
+
+def test_every_kernel_checked():
+    """Every kernel of the chunk path has an IO entry, and some call above launches it."""
+    import byte_budget
+
+    assert set(kernels()) == set(byte_budget.IO) == set().union(*(c[-1] for c in CALLS.values()))
