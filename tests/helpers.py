@@ -119,7 +119,7 @@ __all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_sc
            "math"]
 
 
-FORMS = {"small": 1, "huge": 0, "front": 0, "edge": 1, "near": 1}
+FORMS = {"small": 1, "huge": 0, "front": 0, "edge": 1, "near": 1, "pivots": None}  # pivots: 16-token chunks only
 
 
 def forced_gates(x: dict, C: int, layout) -> set:
@@ -132,8 +132,10 @@ def forced_gates(x: dict, C: int, layout) -> set:
     a middle-anchor exponent of 11.5 * 8 = 92 <= 96 in base 2 and differences of order one next to
     sums near 92; the middle anchor) or "near" (with a lower bound of -8: tokens 4..8 at the bound,
     the rest near 0: a middle-anchor exponent of 11.5 * 5 = 57.7, just within the short path's 2^60
-    for 16-token chunks; the middle anchor). Returns the forms of the chunks of at least 16 tokens
-    (1: middle anchor, 0: levels; as the chunk-wide path's 96 decides them)."""
+    for 16-token chunks; the middle anchor) or "pivots" (tokens 0 and 8 huge, the rest near 0: on
+    16-token chunks the short path's halves' anchors, which span neither). Returns the forms of the
+    chunks of at least 16 tokens (1: middle anchor, 0: levels; as the chunk-wide path's 96 decides
+    them; none for "pivots")."""
     g, T = x["g"], x["g"].shape[1]
     forms = set()
     with torch.no_grad():
@@ -150,9 +152,13 @@ def forced_gates(x: dict, C: int, layout) -> set:
             elif kind == "front":
                 g[:, t0 + 4:t0 + C] -= 1.0
                 g[:, t0:t0 + 4] = 30.0 + g[:, t0:t0 + 4].abs()
+            elif kind == "pivots":
+                g[:, rows] = -30.0 - g[:, rows].abs()
+                for t in (t0, t0 + 8):
+                    g[:, t:t + 1] = 30.0 + g[:, t:t + 1].abs()
             else:  # edge
                 g[:, t0 + 8:t0 + C] = -30.0 - g[:, t0 + 8:t0 + C].abs()
                 g[:, t0:t0 + 8] = 30.0 + g[:, t0:t0 + 8].abs()
-            if T - t0 >= 16:
+            if T - t0 >= 16 and FORMS[kind] is not None:
                 forms.add(FORMS[kind])
     return forms

@@ -375,13 +375,15 @@ def test_short_path_counts_the_longest_sequence(lens, short, rng, tune, launch_l
 
 
 SHORT_ANY_GATE = {  # (case, raw gates forced 16-token chunk by chunk, grown on the GPU tier): "small" and
-    # "near" (an exponent of 57.7, just within 2^60) take the middle anchor; "huge", "front" and "edge"
-    # (at a bound of -8: 92) the half-segment levels; the safe gate's chunks always the middle anchor
-    "softplus_mixed": (Case(T=112, gate="softplus", A_log_range=(0.0, 2.0)), ("small", "huge", "front"), True),
+    # "near" (an exponent of 57.7, just within 2^60) take the middle anchor; "edge" (at a bound of -8: 92
+    # from the middle token, 46 from the first half's) and "pivots" (tokens 0 and 8 huge) the halves'
+    # anchors; "huge" and "front" the half-segment levels; the safe gate's chunks always the middle anchor
+    "softplus_mixed": (Case(T=112, gate="softplus", A_log_range=(0.0, 2.0)), ("small", "huge", "front", "pivots"),
+                       True),
     "lowerbound_edge_near": (Case(T=96, gate="lowerbound", lower_bound=-8.0, A_log_range=(0.0, 1.0)),
                              ("edge", "near", "small"), True),
     "softplus_bf16_varlen_gva": (Case(seqlens=(40, 1, 0, 70), H=2, HV=4, gate="softplus", dtype=torch.bfloat16,
-                                      l2norm=True, A_log_range=(0.0, 2.0)), ("huge", "small", "front"), True),
+                                      l2norm=True, A_log_range=(0.0, 2.0)), ("huge", "small", "front", "pivots"), True),
     "softplus_fp16_k48": (Case(T=64, K=48, V=40, gate="softplus", dtype=torch.float16, A_log_range=(2.0, 4.0)),
                           ("front", "small"), True),
     # the safe gate at its bound of -5 nats ("huge": a whole chunk, "edge": its first half): e^G down to
@@ -398,8 +400,8 @@ SHORT_ANY_GATE = {  # (case, raw gates forced 16-token chunk by chunk, grown on 
 @pytest.mark.parametrize("axis", list(SHORT_ANY_GATE))
 def test_short_path_any_gate(axis, heads_first, rng, tune, launch_log):
     """Gates forced chunk by chunk on the short path. Unbounded gates: each 16-token chunk takes the
-    middle anchor or, where its factors would pass 2^60, the half-segment levels; every exponent
-    built from sums of the gates it spans; float32 inputs at float32's precision (1e-6). Safe gates at
+    middle anchor or, where its factors would pass 2^60, its halves' anchors or, where theirs would
+    too, the half-segment levels; float32 inputs at float32's precision (1e-6). Safe gates at
     their bound (the middle anchor's extremes) within 4e-6: e^G and e^(G_15 - G) are products of two
     exponentials, each the GPU's ex2.approx (2 ulp) there (1.7e-6 measured on the H200; 1.2e-7 in the
     interpreter). ``heads_first``: the order of the programs (Tuning.heads_first)."""

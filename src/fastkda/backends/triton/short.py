@@ -6,10 +6,11 @@ what the state scan (scan.py, run with C = 16) reads:
     qg  = scale q e^G      [16, K]      kd = k e^(G_15 - G)    [16, K]
     Aqk (j <= i, times scale) [16, 16]  gl = e^(G_15)          [K] (float32)
 
-with G the cumulative gates from the chunk start (base 2) and X = (I + Diag(beta) Akk)^-1. The
-first token's gate, unbounded, enters no difference: it is added to e^G's and e^(G_15)'s exponents
-only. A chunk of unbounded gates whose anchor factors would pass 2^SPAN takes the half-segment
-levels, where every exponent is a sum of the gates it spans.
+with G the cumulative gates from the chunk start (base 2) and X = (I + Diag(beta) Akk)^-1. Unbounded
+gates take, chunk by chunk, the first form whose factors stay within 2^SPAN: the middle anchor, the
+halves' anchors, or the half-segment levels (any gate; every exponent a sum of the gates it spans).
+The anchors' exponents are differences of one cumulative sum that leaves out the gates no anchor
+factor spans (tokens 0 and 8), added to the exponents they belong to apart (docs/math.md section 3).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from .plan import ChunkPlan
 from .tiles import inv_unit_lower, load_beta, load_tile, prod, rnorm, row_of, split_level, store_tile
 
 # unbounded gates: the middle anchor while every factor stays within 2^SPAN (a product of two
-# factors within 2^120: finite in float32); otherwise the half-segment levels
+# factors within 2^120: finite in float32), else the halves' anchors while theirs do, else the
+# half-segment levels
 SPAN = tl.constexpr(60.0)
 
 
@@ -47,6 +49,19 @@ def _middle_anchor(b_q, b_k, b_r, b_ri, PREC: tl.constexpr):
     return prod(b_q * b_r, b_c, PREC), prod(b_k * b_r, b_c, PREC)
 
 
+@triton.jit
+def _halves(b_q, b_k, b_n, b_x, b_g8, o_i, PREC: tl.constexpr):
+    """(Aqk, Akk) [16, 16] unmasked, unscaled, of a chunk anchored per half: pairs within a half from
+    b_n = G - G_4 (rows 0-7) or G - G_12 (rows 8-15), pairs of a second-half row and a first-half
+    column from e^(G_i - G_7) = e^(g_8 + b_x) and e^(G_7 - G_j) = e^(-b_x), b_x = J - J_7 (the
+    exponents clamped at 0 off those pairs: finite, discarded)."""
+    m_half = (o_i[:, None] // 8) == (o_i[None, :] // 8)
+    b_Aw, b_Kw = _middle_anchor(b_q, b_k, tl.exp2(b_n), tl.exp2(-b_n), PREC)
+    b_Ax, b_Kx = _middle_anchor(b_q, b_k, tl.exp2(tl.minimum(b_x + b_g8[None, :], 0.0)), tl.exp2(tl.minimum(-b_x, 0.0)),
+                                PREC)
+    return tl.where(m_half, b_Aw, b_Ax), tl.where(m_half, b_Kw, b_Kx)
+
+
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_short_kernel(
     q, k, v, g, beta, A_log, dt_bias, w, u, xs, qg, kd, Aqk, gl, cu_seqlens, chunk_indices, scale, lower_bound, T,
@@ -57,8 +72,9 @@ def kda_fwd_short_kernel(
 ):
     """One 16-token chunk of one value head. Aqk and Akk from the middle anchor (token 8: factors
     e^(G_i - G_8) on rows, e^(G_8 - G_j) on columns), their exponents differences of cumulative
-    gates: BOUNDED (gates >= -5 nats) keeps every factor within 2^58; unbounded gates are summed from
-    token 1 (G - g_0, which no factor spans), and a chunk whose factors would pass 2^SPAN takes the
+    gates: BOUNDED (gates >= -5 nats) keeps every factor within 2^58. Unbounded gates: a chunk whose
+    factors would pass 2^SPAN takes its halves' anchors (tokens 4 and 12, the second half's rows
+    against the first half's columns at token 7 with factors <= 1), and where theirs would too the
     four half-segment levels (tiles.split_level), whose factors are <= 1. A non-finite gate reaches
     its feature's chunk decay, hence the state. PREC: the Aqk, Akk, w and u products; INV_PREC: the
     inverse's.
@@ -94,15 +110,26 @@ def kda_fwd_short_kernel(
         b_e = b_r * tl.exp2(b_G8)[None, :]
         b_ed = b_ri * tl.exp2(b_G15 - b_G8)[None, :]  # e^(G_15 - G)
     else:
-        # token 0's gate enters e^G and the chunk decay only: H = G - g_0, the gates 1..i
+        # J: the gates 1..i but token 8's, summed. No anchor factor of the chunk or of its halves
+        # spans the gates of tokens 0 and 8, each unbounded: they join exponents of their own sign
         b_g0 = row_of(b_g, o_i, 0)
-        b_H = tl.cumsum(tl.where((o_i >= 1)[:, None], b_g, 0.0), 0)
-        b_H15 = row_of(b_H, o_i, 15)
-        b_m = b_H - row_of(b_H, o_i, 8)[None, :]  # G - G_8; a gate beyond 2^SPAN shows on some row
+        b_g8 = row_of(b_g, o_i, 8)
+        b_J = tl.cumsum(tl.where(((o_i == 0) | (o_i == 8))[:, None], 0.0, b_g), 0)
+        b_J15 = row_of(b_J, o_i, 15)
+        m_lo = (o_i < 8)[:, None]
+        b_g8lo = tl.where(m_lo, b_g8[None, :], 0.0)  # g_8 on the first half's rows
+        b_g8hi = tl.where(m_lo, 0.0, b_g8[None, :])  # and on the second half's
+        b_m = b_J - row_of(b_J, o_i, 8)[None, :] - b_g8lo  # G - G_8; a gate beyond 2^SPAN shows on some row
+        b_n = b_J - tl.where(m_lo, row_of(b_J, o_i, 4)[None, :], row_of(b_J, o_i, 12)[None, :])  # G - G_4, G - G_12
         if tl.max(tl.abs(b_m)) <= SPAN:
-            # |H| <= 2 SPAN, as the bounded gate's |G|: its differences are off by about 1e-5 at most
+            # |J| <= 2 SPAN, as the bounded gate's |G|: its differences are off by about 1e-5 at most
             b_Aqk, b_Akk = _middle_anchor(b_q, b_k, tl.exp2(b_m), tl.exp2(-b_m), PREC)
-            b_ed = tl.exp2(b_H15[None, :] - b_H)  # e^(G_15 - G)
+            b_ed = tl.exp2(b_J15[None, :] - b_J + b_g8lo)  # e^(G_15 - G)
+        elif tl.max(tl.abs(b_n)) <= SPAN:
+            # each half anchored at its middle token, the second half's rows against the first half's
+            # columns at token 7 (factors <= 1); |J| <= 4 SPAN
+            b_Aqk, b_Akk = _halves(b_q, b_k, b_n, b_J - row_of(b_J, o_i, 7)[None, :], b_g8, o_i, PREC)
+            b_ed = tl.exp2(b_J15[None, :] - b_J + b_g8lo)
         else:
             b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
             b_Aqk = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)  # factor 1
@@ -113,8 +140,8 @@ def kda_fwd_short_kernel(
                 b_Aqk += tl.where(m_l, prod(b_q * b_r, b_c, PREC), 0.0)
                 b_Akk += tl.where(m_l, prod(b_k * b_r, b_c, PREC), 0.0)
             b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G as the sum of the gates after each token
-        b_e = tl.exp2(b_H + b_g0[None, :])
-        b_G15 = b_H15 + b_g0
+        b_e = tl.exp2(b_J + b_g0[None, :] + b_g8hi)
+        b_G15 = b_J15 + b_g0 + b_g8
     b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk * scale, 0.0)
     b_X = inv_unit_lower(tl.where(o_i[:, None] > o_i[None, :], b_Akk * b_b[:, None], 0.0), o_i, INV_PREC)
 
