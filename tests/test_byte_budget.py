@@ -6,7 +6,6 @@ every kernel that takes them, are not poisoned: they place the loads. An integer
 form) the table lists need not show: flipping a form can change the outputs by less than their
 rounding (the exact sums' float16 remainders in bfloat16 outputs)."""
 
-import importlib
 import os
 import sys
 
@@ -17,7 +16,8 @@ from conftest import DEVICE
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
-MODULES = ("chunk_gates", "intra", "wy", "scan", "output", "short", "bwd_scan", "bwd_wy", "bwd_intra", "bwd_l2norm")
+CHUNK_MODULES = ("chunk_gates", "intra", "wy", "scan", "output", "short", "bwd_scan", "bwd_wy", "bwd_intra",
+                 "bwd_l2norm")
 
 # name: (input dtype, gate, training, options of the call (initial state and varlen: "state"), tuning,
 # kernels it must launch and check)
@@ -46,12 +46,9 @@ TABLES = ("cu_seqlens", "chunk_indices", "chunk_offsets")  # always read; not po
 
 def kernels() -> dict:
     """The chunk path's jitted kernels by name."""
-    out = {}
-    for m in MODULES:
-        for obj in vars(importlib.import_module(f"fastkda.backends.triton.{m}")).values():
-            if hasattr(obj, "arg_names") and obj.fn.__name__.endswith("_kernel"):
-                out[obj.fn.__name__] = obj
-    return out
+    from fastkda.backends.triton import kernels as all_kernels
+
+    return {n: k for n, k in all_kernels().items() if k.fn.__module__.rsplit(".", 1)[-1] in CHUNK_MODULES}
 
 
 def launches(dtype, gate, train, options, tuning, tune):
