@@ -109,7 +109,10 @@ def _imported(module: str, label: str):
 def _fla_op(name):
     """fla.ops.kda.<name> when fla-core is timed (--libs) and importable, else None (reported)."""
     kda = _imported("fla.ops.kda", "fla-core") if "fla" in LIBS else None
-    return None if kda is None else getattr(kda, name)
+    op = None if kda is None else getattr(kda, name, None)
+    if kda is not None and op is None:
+        print(f"fla-core has no fla.ops.kda.{name}")
+    return op
 
 
 def _with_fla(impls: dict, name: str) -> dict:

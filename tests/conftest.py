@@ -3,6 +3,7 @@
 
 import contextlib
 import os
+import sys
 
 import torch
 
@@ -32,29 +33,13 @@ def _record_launches(path: str):
     from triton.runtime.interpreter import InterpretedFunction
 
     run = InterpretedFunction.run
-    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
-             torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    from compile_check import launch_record
 
     def recording_run(self, *args, grid, warmup, **kwargs):
-        sig, consts = {}, {}
-        opts = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
-        notes = getattr(self.fn, "__annotations__", {})
-        bound = {**dict(zip(self.arg_names, args)), **{k: v for k, v in kwargs.items() if k not in opts}}
-        for name, a in bound.items():
-            if "constexpr" in str(notes.get(name, "")):
-                consts[name] = a if isinstance(a, (int, float, str, bool)) or a is None else f"tl:{a}"  # a tl.dtype
-            elif isinstance(a, torch.Tensor):
-                sig[name] = "*" + names[a.dtype]
-            elif a is None:
-                consts[name] = None
-            elif isinstance(a, bool):
-                sig[name] = "i1"
-            elif isinstance(a, int):
-                sig[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
-            else:
-                sig[name] = "fp32"
-        rec = {"module": self.fn.__module__, "name": self.fn.__name__, "signature": sig, "constexprs": consts,
-               "options": opts}
+        bound = {**dict(zip(self.arg_names, args)), **kwargs}
+        rec = launch_record(self, {k: v for k, v in bound.items() if k not in ("num_warps", "num_stages", "maxnreg")},
+                            kwargs)
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)

@@ -181,3 +181,18 @@ def test_bench_ops_chunk_wide_lib(monkeypatch):
         impls["fastkda-chunk"](**x)
     names = [e.name for e in log]
     assert names.count("kda_fwd_short_kernel") == 1 and names.count("kda_fwd_gates_kernel") == 1, names
+
+
+def test_sass_lines():
+    """tools/sass_lines.py compiles a launch of a bench case for sm_90 offline and tables its
+    instructions per source line (a process of its own: it compiles outside the interpreter)."""
+    import subprocess
+
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "sass_lines.py")
+    out = subprocess.run([sys.executable, tool, "kda_fwd_scan_kernel", "--top", "5", "--warps", "8", "--set", "BV=32"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    head, *rows = out.stdout.strip().splitlines()
+    assert head.startswith("kda_fwd_scan_kernel {'num_warps': 8") and "instructions per warp" in head and "REG:" in head
+    assert len(rows) == 5 and all(r.split()[0].isdigit() for r in rows)
+    assert any("scan.py:" in r or "tiles.py:" in r for r in rows)

@@ -11,7 +11,7 @@ host code makes its plan, for a GPU of --sm-count SMs, and its allocations. Each
 its tensor arguments', whole tensors: each tensor it writes once, each one it reads once, one it
 reads and writes twice (a kernel that writes part of a tensor, such as the lower blocks of X, is
 counted for all of it). Which arguments a kernel reads and writes, under which of its flags, is
-``IO`` below; tests/test_benchmarks.py checks it against the kernels themselves (every argument
+``IO`` below; tests/test_byte_budget.py checks it against the kernels themselves (every argument
 poisoned in turn, under the interpreter).
 """
 
@@ -32,20 +32,22 @@ def _when(flag: bool, *names: str) -> list[str]:
     return list(names) if flag else []
 
 
-# kernel name -> flags -> (arguments read, arguments written); an argument in both is read and written
+# kernel name -> flags -> (arguments read, arguments written); an argument in both is read and
+# written; arguments passed as None (gate parameters a call has not) drop out
 IO: dict[str, Callable[[dict], tuple[list[str], list[str]]]] = {
     "kda_fwd_gates_kernel": lambda f: (
-        ["g", "A_log", "dt_bias", *_when(not f["WHOLE"], "q", "k")],
+        ["g", "A_log", "dt_bias", *_when(not f["WHOLE"] and f["L2NORM"], "q", "k")],
         ["gc", *_when(f["WHOLE"], "gl"), *_when(not f["WHOLE"], "ga", "rs"), *_when(f["EXACT_SUMS"], "gd", "gok")]),
     "kda_fwd_intra_chunk_kernel": lambda f: (
-        ["q", "k", "gc", *_when(f["EXACT_SUMS"], "gd"), *_when(f["SELECT"] != 0, "gok")], ["Aqk", "ls", "rs"]),
+        ["q", "k", "gc", *_when(f["EXACT_SUMS"], "gd"), *_when(f["SELECT"] != 0 or f["EXACT_SUMS"], "gok")],
+        ["Aqk", "ls", "rs"]),
     "kda_fwd_intra_kernel": lambda f: (["q", "k", "gc", "ga", "rs"], ["Aqk", "ls"]),
     "kda_fwd_inverse_kernel": lambda f: (
         ["beta", "ls", *_when(f["STORE_DECAY"], "gc")],
         ["xs", *_when(f["X_COPY"], "xh"), *_when(f["STORE_DECAY"], "gl")]),
     "kda_fwd_wu_kernel": lambda f: (
         ["q", "k", "beta", "gc", "rs", "xs", *_when(f["NSV"] > 0, "v"), *_when(not f["WHOLE"], "ga"),
-         *_when(f["EXACT_SUMS"], "gd", "gok")],
+         *_when(f["EXACT_SUMS"], "gd"), *_when(f["EXACT_SUMS"] and f["SPLIT"], "gok")],
         ["w", "qg", "kd", *_when(f["NSV"] > 0, "u")]),
     "kda_fwd_scan_kernel": lambda f: (
         ["w", "kd", "gl", *(["v", "beta", "xs"] if f["U_IN"] else ["u"]), *_when(f["STORE_O"], "qg", "Aqk"),
@@ -66,14 +68,16 @@ IO: dict[str, Callable[[dict], tuple[list[str], list[str]]]] = {
         ["k", "beta", "w", "gc", "ls", "xs", "rs", "s_dw", "s_dL", "s_db"], ["s_dw", "s_dL", "dbeta"]),
     "kda_bwd_gate_block_kernel": lambda f: (
         ["q", "k", "gc", "rs", "s_dqg", "s_dkd", "s_dw", "s_dA", "s_dL", *_when(f["EXACT_SUMS"], "gd"),
-         *_when(f["SELECT"] != 0, "gok")],
+         *_when(f["SELECT"] != 0 or f["EXACT_SUMS"], "gok")],
         ["s_dqg", "s_dkd", "s_dw", "s_tot"]),
     "kda_bwd_dg_kernel": lambda f: (
-        ["g", "A_log", "dt_bias", "gc", "s_dw", "s_tot", "s_dgam"], ["dg", "dA_part", "dbias_part"]),
+        [*_when(f["GATE"] != 0, "g"), "A_log", "dt_bias", "gc", "s_dw", "s_tot", "s_dgam"],
+        ["dg", "dA_part", "dbias_part"]),
     "kda_bwd_gate_kernel": lambda f: (
-        ["q", "k", "g", "A_log", "dt_bias", "gc", "ga", "rs", "s_dqg", "s_dkd", "s_dw", "s_dA", "s_dL", "s_dgam"],
+        ["q", "k", *_when(f["GATE"] != 0, "g"), "A_log", "dt_bias", "gc", "ga", "rs", "s_dqg", "s_dkd", "s_dw",
+         "s_dA", "s_dL", "s_dgam"],
         ["s_dqg", "s_dkd", "s_yb", "s_B", "dg", "dA_part", "dbias_part"]),
-    "kda_bwd_qk_kernel": lambda f: (["x", "dxh"], ["dx"]),
+    "kda_bwd_qk_kernel": lambda f: ([*_when(f["L2NORM"], "x"), "dxh"], ["dx"]),
 }
 TABLES = ("cu_seqlens", "chunk_indices", "chunk_offsets")  # read by every kernel that takes them
 

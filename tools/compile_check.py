@@ -24,6 +24,8 @@ import sys
 import tempfile
 
 SMEM_LIMIT = {90: 232448, 100: 232448, 80: 166912}  # bytes per block (opt-in maximum)
+DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.float64": "fp64",
+          "torch.int32": "i32", "torch.int64": "i64", "torch.int8": "i8", "torch.uint8": "u8", "torch.bool": "i1"}
 
 
 def _variants(path):
@@ -36,14 +38,41 @@ def _variants(path):
     return list(seen.values())
 
 
-def _cuobjdump():
+def tool_path(name: str) -> str | None:
+    """A CUDA binary tool (cuobjdump, nvdisasm): Triton's bundled one, else the PATH's."""
     import triton
 
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    return path if os.path.exists(path) else shutil.which("cuobjdump")
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return path if os.path.exists(path) else shutil.which(name)
 
 
-def compile_one(r, arch):
+def launch_record(fn, bound: dict, options: dict) -> dict:
+    """A launch as this tool's record: the jitted kernel ``fn`` (compiled or interpreted), its
+    arguments by name, its launch options (num_warps, num_stages, maxnreg)."""
+    import torch
+
+    notes = getattr(fn.fn, "__annotations__", {})
+    sig, consts = {}, {}
+    for name, a in bound.items():
+        if "constexpr" in str(notes.get(name, "")):
+            consts[name] = a if isinstance(a, (int, float, str, bool)) or a is None else f"tl:{a}"  # a tl.dtype
+        elif isinstance(a, torch.Tensor):
+            sig[name] = "*" + DTYPES[str(a.dtype)]
+        elif a is None:
+            consts[name] = None
+        elif isinstance(a, bool):
+            sig[name] = "i1"
+        elif isinstance(a, int):
+            sig[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
+        else:
+            sig[name] = "fp32"
+    return {"module": fn.fn.__module__, "name": fn.fn.__name__, "signature": sig, "constexprs": consts,
+            "options": {k: options[k] for k in ("num_warps", "num_stages", "maxnreg") if k in options}}
+
+
+def compile_record(r, arch, aligned: bool = False):
+    """The compiled kernel of a record for sm_<arch> (raises what the compiler raises). ``aligned``:
+    its pointers 16-byte aligned, as the GPU's launches of contiguous tensors specialise them."""
     os.environ.pop("TRITON_INTERPRET", None)
     import triton
     import triton.language as tl
@@ -62,24 +91,34 @@ def compile_one(r, arch):
             value = tl.dtype(value[3:])
         consts[(fn.arg_names.index(name),)] = value
     sig = {n: r["signature"].get(n, "constexpr") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if aligned and t.startswith("*")}
+    return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32),
+                          options=r["options"])
+
+
+def compile_one(r, arch):
     label = f"{r['name']} {r['options']} " + " ".join(f"{k}={v}" for k, v in sorted(r["constexprs"].items()))
     try:
-        k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
-                           options=r["options"])
+        k = compile_record(r, arch)
     except Exception as e:  # the report is the point
         return False, f"FAIL {label}\n    {type(e).__name__}: {str(e).strip().splitlines()[-1][:400]}"
     usage = ""
-    tool = _cuobjdump()
+    tool = tool_path("cuobjdump")
     if tool:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()
             out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        usage = next((ln.strip() for ln in out.splitlines() if "REG:" in ln), "")
-        usage = " ".join(p for p in usage.split() if p.startswith(("REG:", "STACK:")))
+        usage = resources(out)
     smem = k.metadata.shared
     ok = smem <= SMEM_LIMIT.get(arch, 232448)
     return ok, f"{'ok  ' if ok else 'SMEM'} {usage} smem={smem} {label}"
+
+
+def resources(res_usage: str) -> str:
+    """'REG:n STACK:m' from cuobjdump -res-usage's output."""
+    line = next((ln.strip() for ln in res_usage.splitlines() if "REG:" in ln), "")
+    return " ".join(p for p in line.split() if p.startswith(("REG:", "STACK:")))
 
 
 def main():

@@ -14,6 +14,8 @@ Speed against fla-core and FlashKDA: BENCHMARKS.md."""
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from ... import platform
@@ -23,6 +25,18 @@ from .recurrent import decode_call_of, recurrent_forward
 from . import gate as gate_kernels
 
 MAX_DIM = platform.TRITON_MAX_DIM
+KERNEL_MODULES = ("chunk_gates", "intra", "wy", "short", "scan", "output", "bwd_scan", "bwd_wy", "bwd_intra",
+                  "bwd_l2norm", "recurrent", "gate")
+
+
+def kernels() -> dict:
+    """This backend's jitted kernels by name (for the tools that compile them or count their bytes)."""
+    out = {}
+    for m in KERNEL_MODULES:
+        for obj in vars(importlib.import_module(f"{__name__}.{m}")).values():
+            if hasattr(obj, "arg_names") and obj.fn.__name__.endswith("_kernel"):
+                out[obj.fn.__name__] = obj
+    return out
 
 
 class TritonBackend(Backend):
