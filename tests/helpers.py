@@ -115,7 +115,7 @@ def finite(t):
     return t is not None and bool(torch.isfinite(t).all())
 
 
-__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "gate_slope", "gate_input_error", "tol_for", "bounded", "plain_options", "launched", "stage1_of", "scan_given_u", "finite", "forced_gates", "FORMS",
+__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "gate_slope", "gate_input_error", "tol_for", "bounded", "plain_options", "launched", "stage1_of", "scan_given_u", "finite", "forced_gates", "FORMS", "short_forms",
            "math"]
 
 
@@ -161,4 +161,32 @@ def forced_gates(x: dict, C: int, layout) -> set:
                 g[:, t0:t0 + 8] = 30.0 + g[:, t0:t0 + 8].abs()
             if T - t0 >= 16 and FORMS[kind] is not None:
                 forms.add(FORMS[kind])
+    return forms
+
+
+def short_forms(x: dict, span: float = 60.0) -> set:
+    """The forms the short kernel's 16-token chunks of unbounded gates take ("anchor", "halves",
+    "levels"), decided from the activated gates in float64 as the kernel decides them in float32
+    (short.py; chunks per sequence, every value head): a check that a test's layout reaches the
+    forms it means to, away from the bounds where the two could differ."""
+    from fastkda.naive import activate
+
+    opts = {n: x[n] for n in ("use_gate_in_kernel", "A_log", "dt_bias", "lower_bound") if n in x}
+    g = activate(x["q"], x["k"], x["v"], x["g"], x["beta"], **opts)[3] / math.log(2)  # [B, T, HV, K], base 2
+    cu = x.get("cu_seqlens")
+    seqs = ([(0, int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])] if cu is not None
+            else [(b, 0, g.shape[1]) for b in range(g.shape[0])])
+    i = torch.arange(16, device=g.device)[:, None, None]
+    forms = set()
+    for b, bos, eos in seqs:
+        for t0 in range(bos, eos, 16):
+            c = torch.zeros(16, *g.shape[2:], dtype=g.dtype, device=g.device)
+            c[:min(16, eos - t0)] = g[b, t0:min(t0 + 16, eos)]
+            c = c.clamp(min=-16384.0)
+            J = torch.where((i == 0) | (i == 8), 0.0, c).cumsum(0)
+            m = J - J[8] - torch.where(i < 8, c[8], 0.0)
+            n = J - torch.where(i < 8, J[4], J[12])
+            for h in range(c.shape[1]):
+                forms.add("anchor" if m[:, h].abs().max() <= span else "halves" if n[:, h].abs().max() <= span
+                          else "levels")
     return forms

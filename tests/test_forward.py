@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import BACKENDS, DEVICE, GPU
 from helpers import (AXES, OPTION_SPACE, bounded, check, forced_gates, grow, launched, random_case,
-                     scan_given_u, stage1_of, tol_for)
+                     scan_given_u, short_forms, stage1_of, tol_for)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -376,12 +376,15 @@ def test_short_path_counts_the_longest_sequence(lens, short, rng, tune, launch_l
 
 SHORT_ANY_GATE = {  # (case, raw gates forced 16-token chunk by chunk, grown on the GPU tier): "small" and
     # "near" (an exponent of 57.7, just within 2^60) take the middle anchor; "edge" (at a bound of -8: 92
-    # from the middle token, 46 from the first half's) and "pivots" (tokens 0 and 8 huge) the halves'
-    # anchors; "huge" and "front" the half-segment levels; the safe gate's chunks always the middle anchor
+    # from the middle token, 46 from the first half's), "pivots" (tokens 0 and 8 huge) and "huge" at a
+    # bound of -8 (|J| up to 162) the halves' anchors; "huge" and "front" of softplus gates the
+    # half-segment levels; the safe gate's chunks always the middle anchor
     "softplus_mixed": (Case(T=112, gate="softplus", A_log_range=(0.0, 2.0)), ("small", "huge", "front", "pivots"),
                        True),
     "lowerbound_edge_near": (Case(T=96, gate="lowerbound", lower_bound=-8.0, A_log_range=(0.0, 1.0)),
-                             ("edge", "near", "small"), True),
+                             ("edge", "near", "small", "huge"), True),
+    "softplus_bf16_forms": (Case(T=64, gate="softplus", dtype=torch.bfloat16, l2norm=True, A_log_range=(0.0, 2.0)),
+                            ("pivots", "small", "huge", "front"), True),
     "softplus_bf16_varlen_gva": (Case(seqlens=(40, 1, 0, 70), H=2, HV=4, gate="softplus", dtype=torch.bfloat16,
                                       l2norm=True, A_log_range=(0.0, 2.0)), ("huge", "small", "front", "pivots"), True),
     "softplus_fp16_k48": (Case(T=64, K=48, V=40, gate="softplus", dtype=torch.float16, A_log_range=(2.0, 4.0)),
@@ -393,6 +396,22 @@ SHORT_ANY_GATE = {  # (case, raw gates forced 16-token chunk by chunk, grown on 
     "softplus_partial_k48": (Case(T=70, K=48, V=40, gate="softplus", A_log_range=(2.0, 4.0), state_v_first=True),
                              ("huge", "front"), False),
 }
+
+
+SHORT_FORMS = {"softplus_mixed": {"anchor", "halves", "levels"}, "lowerbound_edge_near": {"anchor", "halves"},
+               "softplus_bf16_varlen_gva": {"anchor", "levels"}, "softplus_fp16_k48": {"anchor", "levels"},
+               "safe_at_bound": {"anchor"}, "softplus_partial_k48": {"levels"},
+               "softplus_bf16_forms": {"anchor", "halves", "levels"}}
+
+
+@pytest.mark.parametrize("axis", list(SHORT_ANY_GATE))
+def test_short_path_layouts_take_their_forms(axis, rng):
+    """The layouts of test_short_path_any_gate reach the short kernel's forms they mean to, on both
+    tiers (helpers.short_forms); bfloat16 and float32 inputs each reach all three."""
+    base, layout, grown = SHORT_ANY_GATE[axis]
+    x = make_inputs(grow(base, GPU) if grown else base, device=DEVICE, generator=rng)
+    forced_gates(x, 16, layout)
+    assert short_forms(x) == SHORT_FORMS[axis] if base.gate != "safe" else SHORT_FORMS[axis] == {"anchor"}
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
@@ -420,6 +439,34 @@ def test_short_path_any_gate(axis, heads_first, rng, tune, launch_log):
     check("o", o, o_ref, exact)
     if case.final_state:
         check("final_state", s, s_ref, exact)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_path_infinite_gates(dtype, rng, tune):
+    """Softplus gates of -inf (raw input +inf) on the short path, in chunks of each form: token 0
+    (the middle anchor), tokens 0 and 8 (the halves), tokens 0 and 5 (the levels), the rest near 0.
+    Every factor spanning such a gate is 0, as for a gate far below float32's range: the outputs
+    equal those of raw inputs of 1e4 (gates below -2^14 in base 2) and the reference's on them."""
+    tune(short_min_pairs=1)
+    case = Case(T=64, gate="softplus", dtype=dtype, A_log_range=(1.0, 2.0))
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    with torch.no_grad():
+        x["g"].copy_(-30.0 - x["g"].abs())
+    huge = {n: t.clone() if n == "g" else t for n, t in x.items()}
+    for c, tokens in enumerate(((0,), (0, 8), (0, 5), ())):
+        for t in tokens:
+            x["g"][:, 16 * c + t] = float("inf")
+            huge["g"][:, 16 * c + t] = 1e4
+    assert short_forms(huge) == {"anchor", "halves", "levels"}
+    with use_backend("triton"), torch.no_grad():
+        o, s = chunk_kda(**x, chunk_size=case.chunk_size)
+        o_h, s_h = chunk_kda(**huge, chunk_size=case.chunk_size)
+    assert torch.equal(o, o_h) and torch.equal(s, s_h)
+    o_ref, s_ref = reference(huge)
+    tol = 1e-6 if dtype == torch.float32 else tol_for(dtype, "triton")
+    check("o", o, o_ref, tol)
+    check("final_state", s, s_ref, tol)
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")

@@ -9,8 +9,9 @@ what the state scan (scan.py, run with C = 16) reads:
 with G the cumulative gates from the chunk start (base 2) and X = (I + Diag(beta) Akk)^-1. Unbounded
 gates take, chunk by chunk, the first form whose factors stay within 2^SPAN: the middle anchor, the
 halves' anchors, or the half-segment levels (any gate; every exponent a sum of the gates it spans).
-The anchors' exponents are differences of one cumulative sum that leaves out the gates no anchor
-factor spans (tokens 0 and 8), added to the exponents they belong to apart (docs/math.md section 3).
+The anchors' exponents, e^(G_15 - G)'s with them, are differences of one cumulative sum that leaves
+out the gates of tokens 0 (in no factor) and 8 (added apart where it belongs, to exponents of its
+own sign): docs/math.md section 3.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def kda_fwd_short_kernel(
     gates: BOUNDED (gates >= -5 nats) keeps every factor within 2^58. Unbounded gates: a chunk whose
     factors would pass 2^SPAN takes its halves' anchors (tokens 4 and 12, the second half's rows
     against the first half's columns at token 7 with factors <= 1), and where theirs would too the
-    four half-segment levels (tiles.split_level), whose factors are <= 1. A non-finite gate reaches
-    its feature's chunk decay, hence the state. PREC: the Aqk, Akk, w and u products; INV_PREC: the
+    four half-segment levels (tiles.split_level), whose factors are <= 1. Unbounded gates below
+    -2^14 (base 2; -inf too) count as -2^14, which changes no factor; a NaN gate reaches its
+    feature's chunk decay, hence the state. PREC: the Aqk, Akk, w and u products; INV_PREC: the
     inverse's.
     FORM_U: X goes to xs (the scan forms u = X (beta v)), u is not written."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, 16, IS_VARLEN, 1, HEADS_FIRST)
@@ -110,8 +112,11 @@ def kda_fwd_short_kernel(
         b_e = b_r * tl.exp2(b_G8)[None, :]
         b_ed = b_ri * tl.exp2(b_G15 - b_G8)[None, :]  # e^(G_15 - G)
     else:
-        # J: the gates 1..i but token 8's, summed. No anchor factor of the chunk or of its halves
-        # spans the gates of tokens 0 and 8, each unbounded: they join exponents of their own sign
+        # gates below -2^14 (-inf too) as -2^14: every factor spanning one is 0 either way, and the
+        # levels' row shift, a product, meets no infinity (0 * inf); NaN stays NaN
+        b_g = tl.where(b_g < -16384.0, -16384.0, b_g)
+        # J: the gates 1..i but token 8's, summed. g_0 enters no factor (e^G's and e^(G_15)'s exponents
+        # only), g_8 only exponents whose other terms share its sign: added, never cancelled
         b_g0 = row_of(b_g, o_i, 0)
         b_g8 = row_of(b_g, o_i, 8)
         b_J = tl.cumsum(tl.where(((o_i == 0) | (o_i == 8))[:, None], 0.0, b_g), 0)
@@ -119,15 +124,15 @@ def kda_fwd_short_kernel(
         m_lo = (o_i < 8)[:, None]
         b_g8lo = tl.where(m_lo, b_g8[None, :], 0.0)  # g_8 on the first half's rows
         b_g8hi = tl.where(m_lo, 0.0, b_g8[None, :])  # and on the second half's
-        b_m = b_J - row_of(b_J, o_i, 8)[None, :] - b_g8lo  # G - G_8; a gate beyond 2^SPAN shows on some row
+        b_m = b_J - row_of(b_J, o_i, 8)[None, :] - b_g8lo  # G - G_8; a gate beyond SPAN shows on some row
         b_n = b_J - tl.where(m_lo, row_of(b_J, o_i, 4)[None, :], row_of(b_J, o_i, 12)[None, :])  # G - G_4, G - G_12
         if tl.max(tl.abs(b_m)) <= SPAN:
-            # |J| <= 2 SPAN, as the bounded gate's |G|: its differences are off by about 1e-5 at most
+            # |J| <= 2 SPAN (the bounded gate's |G| <= 116): its differences are off by about 1e-5 at most
             b_Aqk, b_Akk = _middle_anchor(b_q, b_k, tl.exp2(b_m), tl.exp2(-b_m), PREC)
             b_ed = tl.exp2(b_J15[None, :] - b_J + b_g8lo)  # e^(G_15 - G)
         elif tl.max(tl.abs(b_n)) <= SPAN:
             # each half anchored at its middle token, the second half's rows against the first half's
-            # columns at token 7 (factors <= 1); |J| <= 4 SPAN
+            # columns at token 7 (factors <= 1); |J| <= 4 SPAN: its differences off by twice as much
             b_Aqk, b_Akk = _halves(b_q, b_k, b_n, b_J - row_of(b_J, o_i, 7)[None, :], b_g8, o_i, PREC)
             b_ed = tl.exp2(b_J15[None, :] - b_J + b_g8lo)
         else:
