@@ -26,7 +26,7 @@ from ...alloc import new_empty
 from ...options import KDAInputs, KDAOptions
 from .common import activate_gate, chunk_grid, chunk_program, gate_launch, launch
 from .plan import ChunkPlan
-from .tiles import inv_unit_lower, load_beta, load_tile, prod, rnorm, row_of, split_level, store_tile
+from .tiles import inv_unit_lower, level_products, load_beta, load_tile, prod, rnorm, row_of, store_tile
 
 # unbounded gates: the middle anchor while every factor stays within 2^SPAN (a product of two
 # factors within 2^120: finite in float32), else the halves' anchors while theirs do, else the
@@ -76,7 +76,7 @@ def kda_fwd_short_kernel(
     gates: BOUNDED (gates >= -5 nats) keeps every factor within 2^58. Unbounded gates: a chunk whose
     factors would pass 2^SPAN takes its halves' anchors (tokens 4 and 12, the second half's rows
     against the first half's columns at token 7 with factors <= 1), and where theirs would too the
-    four half-segment levels (tiles.split_level), whose factors are <= 1. Unbounded gates below
+    four half-segment levels (tiles.level_products), whose factors are <= 1. Unbounded gates below
     -2^14 (base 2; -inf too) count as -2^14, which changes no factor; a NaN gate reaches its
     feature's chunk decay, hence the state. PREC: the Aqk, Akk, w and u products; INV_PREC: the
     inverse's.
@@ -137,13 +137,7 @@ def kda_fwd_short_kernel(
             b_ed = tl.exp2(b_J15[None, :] - b_J + b_g8lo)
         else:
             b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
-            b_Aqk = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)  # factor 1
-            b_Akk = tl.zeros([16, 16], tl.float32)
-            for lvl in tl.static_range(4):
-                m_l, b_r, b_f = split_level(b_g, b_gn, o_i, 8 >> lvl)
-                b_c = tl.trans(b_k * b_f)
-                b_Aqk += tl.where(m_l, prod(b_q * b_r, b_c, PREC), 0.0)
-                b_Akk += tl.where(m_l, prod(b_k * b_r, b_c, PREC), 0.0)
+            b_Aqk, b_Akk = level_products(b_q, b_k, b_g, b_gn, o_i, PREC)
             b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G as the sum of the gates after each token
         b_e = tl.exp2(b_J + b_g0[None, :] + b_g8hi)
         b_G15 = b_J15 + b_g0 + b_g8

@@ -236,6 +236,21 @@ def split_level(b_g, b_gn, o_i, H: tl.constexpr):
 
 
 @triton.jit
+def level_products(b_q, b_k, b_g, b_gn, o_i, PREC: tl.constexpr):
+    """(Aqk, Akk) [16, 16] of a 16-token block for any gate, unscaled, lower entries only (Akk's
+    diagonal left 0): the four half-segment levels (split_level) of its feature columns b_q, b_k
+    [16, BS], with the gates b_g and the next tokens' b_gn, plus the diagonal of Aqk (factor 1)."""
+    b_Aqk = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
+    b_Akk = tl.zeros([16, 16], tl.float32)
+    for lvl in tl.static_range(4):
+        m_l, b_r, b_f = split_level(b_g, b_gn, o_i, 8 >> lvl)
+        b_c = tl.trans(b_k * b_f)
+        b_Aqk += tl.where(m_l, prod(b_q * b_r, b_c, PREC), 0.0)
+        b_Akk += tl.where(m_l, prod(b_k * b_r, b_c, PREC), 0.0)
+    return b_Aqk, b_Akk
+
+
+@triton.jit
 def block_pairs(i, j, strict):
     """Mask of the pairs (i, j) of the diagonal 16-token blocks with j <= i - strict (the middle
     anchor's level: _middle, _chained); block_pairs(j, i, ..) is its transpose."""
