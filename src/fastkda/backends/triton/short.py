@@ -125,20 +125,21 @@ def kda_fwd_short_kernel(
         b_g8lo = tl.where(m_lo, b_g8[None, :], 0.0)  # g_8 on the first half's rows
         b_g8hi = tl.where(m_lo, 0.0, b_g8[None, :])  # and on the second half's
         b_m = b_J - row_of(b_J, o_i, 8)[None, :] - b_g8lo  # G - G_8; a gate beyond SPAN shows on some row
-        b_n = b_J - tl.where(m_lo, row_of(b_J, o_i, 4)[None, :], row_of(b_J, o_i, 12)[None, :])  # G - G_4, G - G_12
         if tl.max(tl.abs(b_m)) <= SPAN:
             # |J| <= 2 SPAN (the bounded gate's |G| <= 116): its differences are off by about 1e-5 at most
             b_Aqk, b_Akk = _middle_anchor(b_q, b_k, tl.exp2(b_m), tl.exp2(-b_m), PREC)
             b_ed = tl.exp2(b_J15[None, :] - b_J + b_g8lo)  # e^(G_15 - G)
-        elif tl.max(tl.abs(b_n)) <= SPAN:
-            # each half anchored at its middle token, the second half's rows against the first half's
-            # columns at token 7 (factors <= 1); |J| <= 4 SPAN: its differences off by twice as much
-            b_Aqk, b_Akk = _halves(b_q, b_k, b_n, b_J - row_of(b_J, o_i, 7)[None, :], b_g8, o_i, PREC)
-            b_ed = tl.exp2(b_J15[None, :] - b_J + b_g8lo)
         else:
-            b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
-            b_Aqk, b_Akk = level_products(b_q, b_k, b_g, b_gn, o_i, PREC)
-            b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G as the sum of the gates after each token
+            b_n = b_J - tl.where(m_lo, row_of(b_J, o_i, 4)[None, :], row_of(b_J, o_i, 12)[None, :])  # G - G_4, G - G_12
+            if tl.max(tl.abs(b_n)) <= SPAN:
+                # each half anchored at its middle token, the second half's rows against the first half's
+                # columns at token 7 (factors <= 1); |J| <= 4 SPAN: its differences off by twice as much
+                b_Aqk, b_Akk = _halves(b_q, b_k, b_n, b_J - row_of(b_J, o_i, 7)[None, :], b_g8, o_i, PREC)
+                b_ed = tl.exp2(b_J15[None, :] - b_J + b_g8lo)
+            else:
+                b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
+                b_Aqk, b_Akk = level_products(b_q, b_k, b_g, b_gn, o_i, PREC)
+                b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G: the sum of the gates after each token
         b_e = tl.exp2(b_J + b_g0[None, :] + b_g8hi)
         b_G15 = b_J15 + b_g0 + b_g8
     b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk * scale, 0.0)
