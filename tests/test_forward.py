@@ -472,10 +472,11 @@ def test_short_path_infinite_gates(dtype, rng, tune):
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 def test_short_path_not_where_it_does_not_apply(rng, tune, launch_log):
     """Forced on, the short path still leaves alone: training, intermediate states (chunk-sized),
-    pre-gated unbounded gates, keys or values wider than 128."""
+    pre-gated unbounded gates, keys wider than 128, values wider than 128 in float16 (stage 1
+    forms u there, in one tile)."""
     tune(short_min_pairs=1)
     cases = {"train": Case(T=40, gate="safe"), "intermediate": Case(T=40, gate="safe"), "pregated": Case(T=40),
-             "k256": WHOLE_EXTRA["k256"], "v256": Case(T=40, K=64, V=256, gate="safe")}
+             "k256": WHOLE_EXTRA["k256"], "v256_fp16": Case(T=40, K=64, V=256, gate="safe", dtype=torch.float16)}
     for name, case in cases.items():
         x = make_inputs(case, device=DEVICE, generator=rng, requires_grad=name == "train")
         with use_backend("triton"):
@@ -486,6 +487,61 @@ def test_short_path_not_where_it_does_not_apply(rng, tune, launch_log):
                 chunk_kda(**x)
         assert not launched(launch_log, "kda_fwd_short_kernel"), name
         assert launched(launch_log, "kda_fwd_gates_kernel"), name
+        launch_log.clear()
+
+
+SEGMENTED = {  # inference calls of few (sequence, value head) pairs, their sequences cut into segments
+    "dense": Case(T=200, gate="safe", H=1, HV=2),
+    "batch2_bf16_softplus": Case(B=2, T=130, gate="softplus", H=1, HV=2, dtype=torch.bfloat16, l2norm=True,
+                                 beta_sigmoid=True),
+    "varlen_vfirst": Case(seqlens=(150, 0, 70, 33), gate="softplus", H=1, HV=2, state_v_first=True),
+    "lowerbound_no_state": Case(T=320, gate="lowerbound", lower_bound=-3.0, H=1, HV=1, initial_state=False,
+                                final_state=False),
+    "v256": Case(T=256, K=32, V=256, gate="safe", H=1, HV=1),
+}
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("axis", list(SEGMENTED))
+def test_segmented_forward(axis, rng, tune, launch_log):
+    """Few pairs, long sequences (Tuning.segment_min_tokens): each sequence cut into segments run as
+    sequences of their own with K more value columns (the state maps from the identity), outputs
+    corrected and final states composed after. One short-path call does it all, against the
+    reference at the path's own tolerance, the initial state entering the first segment only."""
+    tune(segment_min_tokens=32, short_min_pairs=8)
+    case = SEGMENTED[axis]
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    with torch.no_grad():  # raw gate inputs pulled down: weak decays, each segment's state reaches the next
+        x["g"] -= 6.0
+    with use_backend("triton"), torch.no_grad():
+        o, s = chunk_kda(**x, chunk_size=case.chunk_size)
+    short = [e for e in launch_log if e.name == "kda_fwd_short_kernel"]
+    assert len(short) == 1 and not launched(launch_log, "kda_fwd_gates_kernel")
+    assert short[0].args["V"] == case.V + case.K and short[0].args["T"] == case.B * case.T
+    o_ref, s_ref = reference(x)
+    check("o", o, o_ref, tol_for(case.dtype, "triton"))
+    if case.final_state:
+        check("final_state", s, s_ref, tol_for(case.dtype, "triton"))
+    else:
+        assert s is None
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+def test_segmented_forward_not_where_it_does_not_apply(rng, tune, launch_log):
+    """Segments only for inference calls that would take the short path but for their pairs, with
+    sequences long enough: not in training, not with use_graph's fixed boundaries, not for float16
+    inputs (u formed in stage 1 over V + K columns), not for short sequences or many pairs."""
+    tune(segment_min_tokens=32, short_min_pairs=8)
+    base = Case(T=200, gate="safe", H=1, HV=2)
+    cases = {"train": (base, {}), "fp16": (Case(T=200, gate="safe", H=1, HV=2, dtype=torch.float16), {}),
+             "short": (Case(T=100, gate="safe", H=1, HV=2), {}), "pairs": (Case(T=200, gate="safe", H=4, HV=8), {}),
+             "graph": (Case(seqlens=(150, 50), gate="safe", H=1, HV=2), {"use_graph": True})}
+    for name, (case, extra) in cases.items():
+        x = make_inputs(case, device=DEVICE, generator=rng, requires_grad=name == "train")
+        with use_backend("triton"):
+            o, _ = chunk_kda(**x, **extra)
+        v = [e.args["V"] for e in launch_log if "V" in e.args and e.name.startswith("kda_fwd")]
+        assert v and all(n == case.V for n in v), (name, v)
         launch_log.clear()
 
 

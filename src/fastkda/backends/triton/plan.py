@@ -86,6 +86,10 @@ class Tuning:
     short: Launch = Launch(2)
     short_scan_bv: int = 64
     short_scan_stages: int = 3
+    # inference calls with fewer pairs than short_min_pairs: each sequence cut into segments of at
+    # least this many tokens, run as sequences of their own (their state maps composed after), so
+    # that the short path has its pairs (None: never)
+    segment_min_tokens: int | None = None
     # forward scan
     scan_bv: int = 64
     scan_bv_narrow: int = 32  # where scan_bv-wide programs would fill at most half the SMs
@@ -347,13 +351,18 @@ class ChunkPlan:
     dot: Dot
     chunks: int  # chunk slots of the launch grids
     stage1: Stage1Plan | None  # None on the short path
-    forward: ScanPlan  # the call's own scan
+    forward: ScanPlan | None  # the call's own scan (None: segmented)
     recompute: ScanPlan | None  # training: the backward's recomputation of the scan
     backward: BackwardPlan | None
     short: ShortPlan | None = None  # the short path: it replaces stage 1, the scan steps 16 tokens
+    segments: int = 1  # inference: each sequence cut into this many (segment_count), the call's plan then theirs
 
     def describe(self) -> str:
         """The plan as text, one stage per line (what ``fastkda.explain`` prints)."""
+        if self.segments > 1:
+            return (f"chunk plan: inference, each sequence cut into {self.segments} segments run as sequences of "
+                    "their own with K more value columns (their state maps from the identity, float32 outputs), "
+                    "the maps composed after; the segments' call has a plan of its own")
         if self.short is not None:
             sp, sc = self.short, self.forward
             lines = [f"chunk plan: inference, 16-token chunks, products {self.dot.prec}"]
@@ -502,14 +511,31 @@ def _scan(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, chunks: int, out
                     chunk=opts.chunk_size, u_prec=s1.wu_prec if form_u else dot_prec)
 
 
-def short_path(opts: KDAOptions, train: bool, tuning: Tuning, pairs: int) -> bool:
+def short_path(opts: KDAOptions, dtype: torch.dtype, train: bool, tuning: Tuning, pairs: int) -> bool:
     """Whether an inference call takes the short path: non-positive gates (bounded, or activated in
-    the kernel), features of at most 128, no intermediate states asked for (they are the chunk
-    size's), and enough (sequence, value head) pairs (``pairs``: forward.scan_pairs) that the scan's
-    longer chain of 16-token steps costs less than the chunk-wide stage 1 it saves (docs/kernels.md)."""
+    the kernel), keys of at most 128 and values too unless the scan forms u (float16 inputs form it
+    in stage 1, in one tile), no intermediate states asked for (they are the chunk size's), and
+    enough (sequence, value head) pairs (``pairs``: forward.scan_pairs) that the scan's longer chain
+    of 16-token steps costs less than the chunk-wide stage 1 it saves (docs/kernels.md)."""
     return (not train and tuning.short_min_pairs is not None and pairs >= tuning.short_min_pairs
             and (opts.safe_gate or opts.gate != GateMode.PREGATED) and not opts.return_intermediate_states
-            and max(opts.shape.K, opts.shape.V) <= 128)
+            and opts.shape.K <= 128 and (opts.shape.V <= 128 or dtype != torch.float16))
+
+
+def segment_count(opts: KDAOptions, dtype: torch.dtype, train: bool, tuning: Tuning, pairs: int) -> int:
+    """The segments each sequence of a call is cut into (1: none): an inference call that would take
+    them), with sequences long enough for segments of Tuning.segment_min_tokens, gets the power of
+    two of segments that gives the short path its pairs. The segments run as sequences of their own with K more value
+    columns (V + K of them: float16 inputs, which form u in stage 1, are left alone), and the fixed
+    boundaries of use_graph never are."""
+    s = opts.shape
+    if (tuning.segment_min_tokens is None or tuning.short_min_pairs is None or pairs <= 0
+            or pairs >= tuning.short_min_pairs or opts.graph or dtype == torch.float16
+            or not short_path(opts, dtype, train, tuning, tuning.short_min_pairs)):
+        return 1
+    longest = s.HV * s.B * s.T // pairs  # pairs = value heads x tokens / the longest sequence's
+    segments = pow2(cdiv(tuning.short_min_pairs, pairs), 1)
+    return segments if longest // segments >= tuning.segment_min_tokens else 1
 
 
 def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, dot: Dot) -> tuple[ShortPlan, ScanPlan]:
@@ -562,7 +588,12 @@ def chunk_plan(opts: KDAOptions, dtype: torch.dtype, train: bool, chunks: int, d
     ``pairs``: the (sequence, value head) pairs as the scan sees them (forward.scan_pairs; None:
     sequences x value heads)."""
     dot = dot_for(dtype, dev.interpret)
-    if short_path(opts, train, tuning, opts.shape.N * opts.shape.HV if pairs is None else pairs):
+    pairs = opts.shape.N * opts.shape.HV if pairs is None else pairs
+    segments = segment_count(opts, dtype, train, tuning, pairs)
+    if segments > 1:
+        return ChunkPlan(train=False, dot=dot, chunks=chunks, stage1=None, forward=None, recompute=None, backward=None,
+                         segments=segments)
+    if short_path(opts, dtype, train, tuning, pairs):
         short, fwd = _short(opts, dtype, dev, tuning, dot)
         return ChunkPlan(train=False, dot=dot, chunks=chunks, stage1=None, forward=fwd, recompute=None, backward=None,
                          short=short)
