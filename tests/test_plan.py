@@ -96,7 +96,8 @@ def test_segment_count(B, T, H, dtype, kw, train, pairs, segments):
     assert p.segments == segments
     if segments > 1:
         assert p.stage1 is None and p.forward is None and p.short is None
-        assert f"cut into {segments} segments" in p.describe()
+        assert f"cut into {segments} segments" in p.describe() and "output: 64 rows" in p.describe()
+        assert p.segment_output.prec == ("tf32x3" if dtype == torch.float32 else "tf32")
         assert P.chunk_plan(opts, dtype, train, 1, H200, P.Tuning(short_min_pairs=48), pairs=pairs).segments == 1
 
 

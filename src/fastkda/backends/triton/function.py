@@ -24,9 +24,10 @@ from torch.autograd.function import once_differentiable
 
 from ...options import KDAInputs, KDAOptions, KDAShape
 from .backward import gradients
-from .common import contiguous_inputs, current_record, graph_seqlens, recording
+from .common import chunk_tables, contiguous_inputs, current_record, graph_seqlens, launch, out_alloc, recording
 from .forward import Stage1, chunk_count, chunk_tables_of, forward_stages, scan_pairs, short_forward
-from .plan import ChunkPlan, cdiv, chunk_plan, current_tuning, device_facts, tuned
+from .output import kda_fwd_segment_output_kernel
+from .plan import ChunkPlan, cdiv, chunk_plan, current_tuning, device_facts, pow2, tuned
 
 
 def plan_of(opts: KDAOptions, x: KDAInputs, train: bool) -> ChunkPlan:
@@ -77,7 +78,8 @@ def segmented_forward(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs) -> tuple[
     identity (v = 0 there, initial state I: outputs A_{1..t}^T scale q_t, final state A), all
     outputs in float32; then each segment's true initial state from the maps of the segments before
     it, S_in(p + 1) = A_p S_in(p) + B_p (the first starts from the call's own initial state, in its
-    B), and its outputs plus (A_{1..t}^T scale q_t)^T S_in(p), rounded once."""
+    B), and its outputs plus (A_{1..t}^T scale q_t)^T S_in(p), rounded once
+    (output.kda_fwd_segment_output_kernel)."""
     s, P = opts.shape, plan.segments
     B, T, HV, K, V = s.B, s.T, s.HV, s.K, s.V
     dev = x.q.device
@@ -108,20 +110,25 @@ def segmented_forward(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs) -> tuple[
         o_ext, ht_ext = short_forward(opts_s, plan_s, x_s, torch.float32)
     else:
         _, o_ext, ht_ext, _, _ = forward_stages(opts_s, plan_s, plan_s.forward, x_s, o_dtype=torch.float32)
-    o, finals = o_ext[0, :, :, :V], []
-    for n in range(len(seqs)):
-        S = ht_ext[n * P, :, :, :V]  # the first segment's final state, from the call's initial state
-        for p in range(1, P):
-            a, b = cuts[n * P + p], cuts[n * P + p + 1]
-            if b > a:
-                o[a:b] += torch.einsum("thk,hkv->thv", o_ext[0, a:b, :, V:], S)
-            S = ht_ext[n * P + p, :, :, V:] @ S + ht_ext[n * P + p, :, :, :V]
-        finals.append(S)
-    o = o.to(x.v.dtype).reshape(B, T, HV, V)
+    # the segments' true initial states beyond their own (0 for each sequence's first, whose initial
+    # state the call gave), from the maps of those before: S_in(p + 1) = A_p S_in(p) + B_p
+    maps = ht_ext.view(len(seqs), P, HV, K, V + K)
+    s_in = torch.zeros(len(seqs), P, HV, K, V, **f32)
+    S = maps[:, 0, :, :, :V]
+    for p in range(1, P):
+        s_in[:, p] = S
+        S = maps[:, p, :, :, V:] @ S + maps[:, p, :, :, :V]
+    o = out_alloc(opts)(1, B * T, HV, V, dtype=x.v.dtype, device=dev)
+    so = plan.segment_output
+    chunk_indices, _, NT = chunk_tables(cu_host, so.rows, dev)
+    if NT > 0:
+        NV = cdiv(V, so.bv)
+        launch(kda_fwd_segment_output_kernel, (NT * NV, HV), o_ext, s_in, o, x_s.cu_seqlens, chunk_indices, B * T,
+               HV=HV, K=K, V=V, C=so.rows, BK=pow2(K), BV=so.bv, NV=NV, PREC=so.prec, **so.launch.kwargs())
+    o = o.view(B, T, HV, V)
     if not opts.output_final_state:
         return o, None
-    ht = torch.stack(finals) if finals else torch.zeros(0, HV, K, V, **f32)
-    return o, (ht.transpose(-1, -2) if opts.state_v_first else ht).contiguous()
+    return o, (S.transpose(-1, -2) if opts.state_v_first else S).contiguous()
 
 
 class Kept(NamedTuple):

@@ -324,6 +324,16 @@ class ScanPlan:
     a_full: bool = False  # stage 1 wrote Aqk's whole chunk blocks, zeros above the diagonal (short path)
 
 
+class SegmentOutput(NamedTuple):
+    """The output kernel of a segmented call (output.kda_fwd_segment_output_kernel): rows and value
+    columns per program, the product's precision, the launch."""
+
+    rows: int
+    bv: int
+    prec: str
+    launch: Launch
+
+
 @dataclass(frozen=True)
 class BackwardPlan:
     """Backward stage 1 (state scan) and stage 2 (chunk-parallel gradients)."""
@@ -356,13 +366,16 @@ class ChunkPlan:
     backward: BackwardPlan | None
     short: ShortPlan | None = None  # the short path: it replaces stage 1, the scan steps 16 tokens
     segments: int = 1  # inference: each sequence cut into this many (segment_count), the call's plan then theirs
+    segment_output: SegmentOutput | None = None  # with segments
 
     def describe(self) -> str:
         """The plan as text, one stage per line (what ``fastkda.explain`` prints)."""
         if self.segments > 1:
+            so = self.segment_output
             return (f"chunk plan: inference, each sequence cut into {self.segments} segments run as sequences of "
                     "their own with K more value columns (their state maps from the identity, float32 outputs), "
-                    "the maps composed after; the segments' call has a plan of its own")
+                    "the maps composed after; the segments' call has a plan of its own\n"
+                    f"  output: {so.rows} rows, {so.bv} value columns {_fmt(so.launch)}, products {so.prec}")
         if self.short is not None:
             sp, sc = self.short, self.forward
             lines = [f"chunk plan: inference, 16-token chunks, products {self.dot.prec}"]
@@ -591,8 +604,12 @@ def chunk_plan(opts: KDAOptions, dtype: torch.dtype, train: bool, chunks: int, d
     pairs = opts.shape.N * opts.shape.HV if pairs is None else pairs
     segments = segment_count(opts, dtype, train, tuning, pairs)
     if segments > 1:
+        # float32 inputs: three tf32 products on 32 columns (Triton's float32 products on the cores,
+        # and tf32x3 on 64 columns, spill at these tiles: offline sm_90 compiles)
+        prec = "tf32x3" if dot.prec == "ieee" else dot.prec
+        out = SegmentOutput(64, min(pow2(opts.shape.V), 32 if prec == "tf32x3" else 64), prec, Launch(4, None))
         return ChunkPlan(train=False, dot=dot, chunks=chunks, stage1=None, forward=None, recompute=None, backward=None,
-                         segments=segments)
+                         segments=segments, segment_output=out)
     if short_path(opts, dtype, train, tuning, pairs):
         short, fwd = _short(opts, dtype, dev, tuning, dot)
         return ChunkPlan(train=False, dot=dot, chunks=chunks, stage1=None, forward=fwd, recompute=None, backward=None,
