@@ -99,6 +99,8 @@ def test_segment_count(B, T, H, dtype, kw, train, pairs, segments):
         assert f"cut into {segments} segments" in p.describe() and "output: 64 rows" in p.describe()
         assert p.segment_output.prec == ("tf32x3" if dtype == torch.float32 else "tf32")
         assert P.chunk_plan(opts, dtype, train, 1, H200, P.Tuning(short_min_pairs=48), pairs=pairs).segments == 1
+        wide = opts_for(B, T, H, V=192, dtype=dtype, **kw)  # V + K = 320: wider than the kernels take
+        assert P.chunk_plan(wide, dtype, train, 1, H200, P.Tuning(**tuning), pairs=pairs).segments == 1
 
 
 @pytest.mark.parametrize("B,T,H,split", [(1, 32768, 16, True), (1, 8192, 64, False), (2, 8192, 64, False),

@@ -539,12 +539,12 @@ def segment_count(opts: KDAOptions, dtype: torch.dtype, train: bool, tuning: Tun
     """The segments each sequence of a call is cut into (1: none): an inference call that would take
     them), with sequences long enough for segments of Tuning.segment_min_tokens, gets the power of
     two of segments that gives the short path its pairs. The segments run as sequences of their own with K more value
-    columns (V + K of them: float16 inputs, which form u in stage 1, are left alone), and the fixed
-    boundaries of use_graph never are."""
+    columns (V + K of them, at most the kernels' widest; float16 inputs, which form u in stage 1, are
+    left alone), and the fixed boundaries of use_graph never are."""
     s = opts.shape
     if (tuning.segment_min_tokens is None or tuning.short_min_pairs is None or pairs <= 0
             or pairs >= tuning.short_min_pairs or opts.graph or dtype == torch.float16
-            or not short_path(opts, dtype, train, tuning, tuning.short_min_pairs)):
+            or s.V + s.K > platform.TRITON_MAX_DIM or not short_path(opts, dtype, train, tuning, tuning.short_min_pairs)):
         return 1
     longest = s.HV * s.B * s.T // pairs  # pairs = value heads x tokens / the longest sequence's
     segments = pow2(cdiv(tuning.short_min_pairs, pairs), 1)
