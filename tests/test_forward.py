@@ -497,7 +497,11 @@ SEGMENTED = {  # inference calls of few (sequence, value head) pairs, their sequ
     "varlen_vfirst": Case(seqlens=(150, 0, 70, 33), gate="softplus", H=1, HV=2, state_v_first=True),
     "lowerbound_no_state": Case(T=320, gate="lowerbound", lower_bound=-3.0, H=1, HV=1, initial_state=False,
                                 final_state=False),
-    "v256": Case(T=256, K=32, V=256, gate="safe", H=1, HV=1),
+    "v200": Case(T=256, K=32, V=200, gate="safe", H=1, HV=1),  # V + K past 128: the short path all the same
+    "uneven": Case(T=201, gate="safe", H=1, HV=2),  # 4 segments of 51, 51, 51, 48 tokens: 7 pairs, not 8
+    "k48_negeig_scale": Case(T=200, K=48, V=40, H=1, HV=2, gate="softplus", beta_sigmoid=True, allow_neg_eigval=True,
+                             scale=0.37),
+    "varlen_short_seqs": Case(seqlens=(150, 3, 0, 70), gate="safe", H=1, HV=4),  # 3 tokens in 2 segments
 }
 
 
@@ -506,8 +510,9 @@ SEGMENTED = {  # inference calls of few (sequence, value head) pairs, their sequ
 def test_segmented_forward(axis, rng, tune, launch_log):
     """Few pairs, long sequences (Tuning.segment_min_tokens): each sequence cut into segments run as
     sequences of their own with K more value columns (the state maps from the identity), outputs
-    corrected and final states composed after. One short-path call does it all, against the
-    reference at the path's own tolerance, the initial state entering the first segment only."""
+    corrected and final states composed after: one short-path call (whatever its pairs come to with
+    uneven segments) and the output kernel, against the reference at the forward's tolerance, the
+    initial state entering each sequence's first segment only."""
     tune(segment_min_tokens=32, short_min_pairs=8)
     case = SEGMENTED[axis]
     x = make_inputs(case, device=DEVICE, generator=rng)

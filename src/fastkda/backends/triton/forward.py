@@ -66,13 +66,23 @@ def scan_pairs(opts: KDAOptions, cu_host) -> int:
     s = opts.shape
     if opts.graph or cu_host is None:
         return s.N * s.HV
+    tokens, longest = _tokens_longest(cu_host)
+    return s.HV * tokens // longest if longest > 0 else 0
 
+
+def longest_sequence(opts: KDAOptions, cu_host) -> int:
+    """The tokens of a call's longest sequence (use_graph, whose lengths the host never sees: T)."""
+    if opts.graph or cu_host is None:
+        return opts.shape.T
+    return _tokens_longest(cu_host)[1]
+
+
+def _tokens_longest(cu_host) -> tuple[int, int]:
     def make():
         lens = (cu_host[1:] - cu_host[:-1]).tolist()
         return sum(lens), max(lens, default=0)
 
-    tokens, longest = seqlens_derived(cu_host, ("tokens", "longest"), make)
-    return s.HV * tokens // longest if longest > 0 else 0
+    return seqlens_derived(cu_host, ("tokens", "longest"), make)
 
 
 def chunk_tables_of(opts: KDAOptions, cu_seqlens, cu_host, C: int | None = None

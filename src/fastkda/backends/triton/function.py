@@ -25,7 +25,8 @@ from torch.autograd.function import once_differentiable
 from ...options import KDAInputs, KDAOptions, KDAShape
 from .backward import gradients
 from .common import chunk_tables, contiguous_inputs, current_record, graph_seqlens, launch, out_alloc, recording
-from .forward import Stage1, chunk_count, chunk_tables_of, forward_stages, scan_pairs, short_forward
+from .forward import (Stage1, chunk_count, chunk_tables_of, forward_stages, longest_sequence, scan_pairs,
+                      short_forward)
 from .output import kda_fwd_segment_output_kernel
 from .plan import ChunkPlan, cdiv, chunk_plan, current_tuning, device_facts, pow2, tuned
 
@@ -35,7 +36,7 @@ def plan_of(opts: KDAOptions, x: KDAInputs, train: bool) -> ChunkPlan:
     tuning = current_tuning()
     chunks = chunk_count(opts, x.cu_seqlens, x.cu_seqlens_cpu)
     return chunk_plan(opts, x.q.dtype, train, chunks, device_facts(x.q.device, tuning), tuning,
-                      scan_pairs(opts, x.cu_seqlens_cpu))
+                      scan_pairs(opts, x.cu_seqlens_cpu), longest_sequence(opts, x.cu_seqlens_cpu))
 
 
 def graph_inputs(opts: KDAOptions, x: KDAInputs) -> tuple[KDAInputs, torch.Tensor | None]:
@@ -104,7 +105,8 @@ def segmented_forward(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs) -> tuple[
                                  has_initial_state=True, output_final_state=True, state_v_first=False, varlen=True)
     x_s = KDAInputs(flat[0], flat[1], v_ext, flat[3], flat[4], x.A_log, x.dt_bias, h0,
                     cu_host.to(dev, torch.int32), cu_host)
-    with tuned(segment_min_tokens=None):  # the segments' call is never cut again
+    # the short path (its pairs those the cut meant, give or take uneven segments), never cut again
+    with tuned(segment_min_tokens=None, short_min_pairs=1):
         plan_s = plan_of(opts_s, x_s, train=False)
     if plan_s.short is not None:
         o_ext, ht_ext = short_forward(opts_s, plan_s, x_s, torch.float32)
@@ -124,7 +126,8 @@ def segmented_forward(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs) -> tuple[
     if NT > 0:
         NV = cdiv(V, so.bv)
         launch(kda_fwd_segment_output_kernel, (NT * NV, HV), o_ext, s_in, o, x_s.cu_seqlens, chunk_indices, B * T,
-               HV=HV, K=K, V=V, C=so.rows, BK=pow2(K), BV=so.bv, NV=NV, PREC=so.prec, **so.launch.kwargs())
+               HV=HV, K=K, V=V, C=so.rows, BK=pow2(K), BV=so.bv, NV=NV, SEGMENTS=P, PREC=so.prec,
+               **so.launch.kwargs())
     o = o.view(B, T, HV, V)
     if not opts.output_final_state:
         return o, None

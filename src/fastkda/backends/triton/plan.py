@@ -535,18 +535,21 @@ def short_path(opts: KDAOptions, dtype: torch.dtype, train: bool, tuning: Tuning
             and opts.shape.K <= 128 and (opts.shape.V <= 128 or dtype != torch.float16))
 
 
-def segment_count(opts: KDAOptions, dtype: torch.dtype, train: bool, tuning: Tuning, pairs: int) -> int:
-    """The segments each sequence of a call is cut into (1: none): an inference call that would take
-    them), with sequences long enough for segments of Tuning.segment_min_tokens, gets the power of
-    two of segments that gives the short path its pairs. The segments run as sequences of their own with K more value
-    columns (V + K of them, at most the kernels' widest; float16 inputs, which form u in stage 1, are
-    left alone), and the fixed boundaries of use_graph never are."""
+def segment_count(opts: KDAOptions, dtype: torch.dtype, train: bool, tuning: Tuning, pairs: int,
+                  longest: int) -> int:
+    """The segments each sequence of a call is cut into (1: none). An inference call that would take
+    the short path but for its few (sequence, value head) pairs (``pairs``, as scan_pairs counts
+    them) gets the power of two of segments that multiplies its pairs up to Tuning.short_min_pairs,
+    if its longest sequence (``longest`` tokens) makes segments of Tuning.segment_min_tokens at
+    least; shorter sequences are cut as many times. The segments run as sequences of their own
+    with K more value columns (V + K of them, at most the kernels' widest; float16 inputs, which form
+    u in stage 1, are left alone) on the short path; use_graph's fixed boundaries are never cut."""
     s = opts.shape
     if (tuning.segment_min_tokens is None or tuning.short_min_pairs is None or pairs <= 0
             or pairs >= tuning.short_min_pairs or opts.graph or dtype == torch.float16
-            or s.V + s.K > platform.TRITON_MAX_DIM or not short_path(opts, dtype, train, tuning, tuning.short_min_pairs)):
+            or s.V + s.K > platform.TRITON_MAX_DIM
+            or not short_path(opts, dtype, train, tuning, tuning.short_min_pairs)):
         return 1
-    longest = s.HV * s.B * s.T // pairs  # pairs = value heads x tokens / the longest sequence's
     segments = pow2(cdiv(tuning.short_min_pairs, pairs), 1)
     return segments if longest // segments >= tuning.segment_min_tokens else 1
 
@@ -595,14 +598,15 @@ def _backward(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, dev: Device,
 
 @functools.lru_cache(maxsize=256)
 def chunk_plan(opts: KDAOptions, dtype: torch.dtype, train: bool, chunks: int, dev: Device,
-               tuning: Tuning, pairs: int | None = None) -> ChunkPlan:
+               tuning: Tuning, pairs: int | None = None, longest: int | None = None) -> ChunkPlan:
     """The plan of a chunk_kda call on inputs of ``dtype`` with ``chunks`` chunk slots (a pure
     function; cached). ``train``: the forward of a training step, whose backward reads stage 1.
     ``pairs``: the (sequence, value head) pairs as the scan sees them (forward.scan_pairs; None:
-    sequences x value heads)."""
+    sequences x value heads); ``longest``: the longest sequence's tokens (forward.longest_sequence;
+    None: T)."""
     dot = dot_for(dtype, dev.interpret)
     pairs = opts.shape.N * opts.shape.HV if pairs is None else pairs
-    segments = segment_count(opts, dtype, train, tuning, pairs)
+    segments = segment_count(opts, dtype, train, tuning, pairs, opts.shape.T if longest is None else longest)
     if segments > 1:
         # float32 inputs: three tf32 products on 32 columns (Triton's float32 products on the cores,
         # and tf32x3 on 64 columns, spill at these tiles: offline sm_90 compiles)
