@@ -407,11 +407,12 @@ SHORT_FORMS = {"softplus_mixed": {"anchor", "halves", "levels"}, "lowerbound_edg
 @pytest.mark.parametrize("axis", list(SHORT_ANY_GATE))
 def test_short_path_layouts_take_their_forms(axis, rng):
     """The layouts of test_short_path_any_gate reach the short kernel's forms they mean to, on both
-    tiers (helpers.short_forms); bfloat16 and float32 inputs each reach all three."""
+    tiers (helpers.short_forms), whatever the random gates of the other chunks add (a varlen case's
+    later sequences miss the layout's chunk grid); bfloat16 and float32 inputs each reach all three."""
     base, layout, grown = SHORT_ANY_GATE[axis]
     x = make_inputs(grow(base, GPU) if grown else base, device=DEVICE, generator=rng)
     forced_gates(x, 16, layout)
-    assert short_forms(x) == SHORT_FORMS[axis] if base.gate != "safe" else SHORT_FORMS[axis] == {"anchor"}
+    assert SHORT_FORMS[axis] <= short_forms(x) if base.gate != "safe" else SHORT_FORMS[axis] == {"anchor"}
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
