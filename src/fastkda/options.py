@@ -482,29 +482,29 @@ _RECURRENT_SEEN: dict = {}
 _RECURRENT_SEEN_MAX = 256
 
 
-def _layout(t: torch.Tensor) -> tuple:
-    return (t.shape, t.dtype, t.device)
-
-
 def _recurrent_key(tensors: tuple, flags: tuple, scalars: tuple, cu_seqlens, initial_state,
                    check_values) -> tuple | None:
     """What the checks of a recurrent call read, or None when they read more (a value: a CPU
-    cu_seqlens, a tensor scale) or raise on a type, which the full path then reports."""
-    if any(type(f) is not bool for f in flags) or any(
-            x is not None and type(x) not in (float, int) for x in scalars):
-        return None
+    cu_seqlens, a tensor scale) or raise on a type, which the full path then reports. Plain loops:
+    a decode step pays for this on every call."""
+    for f in flags:
+        if f is not True and f is not False:
+            return None
+    for x in scalars:
+        if x is not None and type(x) is not float and type(x) is not int:
+            return None
     if cu_seqlens is not None and (type(cu_seqlens) is not torch.Tensor or cu_seqlens.device.type == "cpu"):
         return None
-    layouts = []
-    for t in tensors:
+    grad = initial_state is not None and initial_state.requires_grad and torch.is_grad_enabled()
+    key = [flags, scalars, grad, check_values]
+    for t in tensors:  # (shape, dtype, device) of each tensor; None for an absent one
         if t is None:
-            layouts.append(None)
+            key.append(None)
         elif isinstance(t, torch.Tensor):
-            layouts.append(_layout(t))
+            key += (t.shape, t.dtype, t.device)
         else:
             return None
-    grad = initial_state is not None and initial_state.requires_grad and torch.is_grad_enabled()
-    return (*layouts, flags, scalars, grad, check_values)
+    return tuple(key)
 
 
 def recurrent_options(

@@ -126,7 +126,8 @@ def forced_backend() -> str | None:
 
 
 def _disabled() -> set[str]:
-    return {s.strip() for s in os.environ.get("FASTKDA_DISABLE_BACKENDS", "").split(",") if s.strip()}
+    names = os.environ.get("FASTKDA_DISABLE_BACKENDS")
+    return {s.strip() for s in names.split(",") if s.strip()} if names else set()
 
 
 def needs_grad(inputs: Any) -> bool:
