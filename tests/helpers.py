@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from fastkda.testing import (AXES, GATES, Case, gate_input_error, gate_param_scales, gate_slope, grow,  # noqa: F401
                              param_error, rel_rms, tolerance)
 
-# the option space of SPEC section 6 as hypothesis strategies (feature sizes chosen per test)
+# the option space (fastkda.testing.AXES) as hypothesis strategies (feature sizes chosen per test)
 OPTION_SPACE = dict(
     gate=st.sampled_from(GATES),
     varlen=st.booleans(),

@@ -15,6 +15,7 @@ import torch
 from conftest import DEVICE
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+from byte_budget import IO, TABLES, traffic  # noqa: E402
 
 CHUNK_MODULES = ("chunk_gates", "intra", "wy", "scan", "output", "short", "bwd_scan", "bwd_wy", "bwd_intra",
                  "bwd_l2norm")
@@ -43,7 +44,6 @@ CALLS = {
     "segments": (torch.bfloat16, "safe", False, {}, dict(segment_min_tokens=16, short_min_pairs=8),
                  {"kda_fwd_segment_output_kernel"}),
 }
-TABLES = ("cu_seqlens", "chunk_indices", "chunk_offsets")  # always read; not poisoned (they place the loads)
 
 
 def kernels() -> dict:
@@ -124,13 +124,11 @@ def observed(kernel, entry, start: dict) -> tuple[set, set]:
 
 @pytest.mark.parametrize("call", CALLS)
 def test_kernel_io(call, tune):
-    import byte_budget
-
     dtype, gate, train, options, tuning, must = CALLS[call]
     table = kernels()
     checked = set()
     for entry, start in launches(dtype, gate, train, options, tuning, tune):
-        t = byte_budget.traffic(entry)
+        t = traffic(entry)
         read, written = observed(table[entry.name], entry, start)
         if written:  # a launch with nothing to do (a split pass no chunk took) shows nothing
             ints = {n for n, v in entry.args.items() if isinstance(v, torch.Tensor) and not v.is_floating_point()}
@@ -143,6 +141,4 @@ def test_kernel_io(call, tune):
 
 def test_every_kernel_checked():
     """Every kernel of the chunk path has an IO entry, and some call above launches it."""
-    import byte_budget
-
-    assert set(kernels()) == set(byte_budget.IO) == set().union(*(c[-1] for c in CALLS.values()))
+    assert set(kernels()) == set(IO) == set().union(*(c[-1] for c in CALLS.values()))

@@ -1,4 +1,4 @@
-"""chunk_kda forward on every backend, every axis of SPEC section 6, against the float64
+"""chunk_kda forward on every backend, every axis of fastkda.testing.AXES, against the float64
 per-token reference."""
 
 import math

@@ -122,3 +122,20 @@ def test_gates_take_strided_parameters(backend, rng):
     check("dA_log", dA[:, 0], dA_c, 1e-6)
     check("ddt_bias", db[:, ::2].reshape(-1), db_c, 1e-6)
     assert not dA[:, 1].any() and not db[:, 1::2].any()
+
+
+@pytest.mark.skipif("triton" not in CUMSUM_BACKENDS, reason="no Triton")
+def test_triton_declines_what_its_programs_cannot_hold(rng):
+    """A chunk over 64 tokens or K over 256 is declined by the Triton backend with its reason
+    (forced: BackendUnavailableError; by default the PyTorch backend serves the call)."""
+    from fastkda import BackendUnavailableError
+
+    g = torch.randn(1, 130, 2, 8, generator=rng).to(DEVICE)
+    A = torch.rand(2, generator=rng).to(DEVICE)
+    want = kda_gate_chunk_cumsum(g.double(), A.double(), 128)
+    with use_backend("triton"):
+        with pytest.raises(BackendUnavailableError, match="chunk_size=128"):
+            kda_gate_chunk_cumsum(g, A, 128)
+        with pytest.raises(BackendUnavailableError, match="K=320"):
+            fused_kda_gate(torch.randn(3, 2, 320, generator=rng).to(DEVICE), A)
+    check("chunk 128 by default", kda_gate_chunk_cumsum(g, A, 128), want, 1e-6)

@@ -12,7 +12,7 @@ import torch
 from conftest import DEVICE, GPU
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastkda import decode_error, fused_recurrent_kda, use_backend
+from fastkda import decode_error, explain, fused_recurrent_kda, use_backend
 from fastkda.backends import backends
 from fastkda.testing import Case, make_inputs
 
@@ -255,14 +255,19 @@ def test_shared_slots_that_are_allowed(backend, rng, check_path):
 @pytest.mark.parametrize("pooled", [True, False])
 def test_overlapping_pool_written_in_place_is_refused(backend, pooled, rng):
     """An expanded (stride-0) state written in place: a ValueError naming `initial_state` before
-    anything runs; read without the in-place write it works like its dense copy."""
+    anything runs, also right after an in-place call on a dense state of the same shape (whose
+    checked options are kept), and from explain(); read without the in-place write it works like
+    its dense copy."""
     x = _inputs(rng)
     one = torch.randn(1, HV, K, V, generator=rng).to(DEVICE)
     state = one.expand(4 if pooled else 2, HV, K, V)
     kw = dict(ssm_state_indices=torch.tensor([3, 1], device=DEVICE)) if pooled else {}
     with use_backend(backend):
+        fused_recurrent_kda(**x, initial_state=state.clone(), inplace_final_state=True, **kw)
         with pytest.raises(ValueError, match=r"`initial_state`.*overlap.*stride"):
             fused_recurrent_kda(**x, initial_state=state, inplace_final_state=True, **kw)
+        with pytest.raises(ValueError, match=r"`initial_state`.*overlap.*stride"):
+            explain(fused_recurrent_kda, **x, initial_state=state, inplace_final_state=True, **kw)
         assert torch.equal(one, state[:1])
         x["output_final_state"] = True
         o, s = fused_recurrent_kda(**x, initial_state=state, **kw)

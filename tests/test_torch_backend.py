@@ -323,3 +323,27 @@ def test_intermediate_states_dtype(backend, dtype, rng):
     assert h.dtype == dtype and s.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     _, _, h_ref = reference(x, chunked=True, return_intermediate_states=True)
     check("h", h, h_ref, tolerance(dtype, backend))
+
+
+# ----------------------------------------------------------------------------------------------
+# boundaries the options leave unread
+
+
+@pytest.mark.parametrize("cu", [[0, 5], [0, 2, 1], [1, 3]])
+def test_decode_reads_and_checks_unread_boundaries(cu, rng):
+    """Decoding leaves a device cu_seqlens unread (no synchronisation); this backend reads it and
+    checks it: a ValueError naming cu_seqlens, never an out-of-range gather. (Options built with
+    check_values=False leave any cu_seqlens unread, as they do a device one.)"""
+    from fastkda.backends import registry
+    from fastkda.options import recurrent_options
+
+    x = make_inputs(Case(B=1, T=3, H=2, K=8, V=8), device=DEVICE, generator=rng)
+    opts, inputs = recurrent_options(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=None, dt_bias=None, scale=None, initial_state=None,
+        output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, state_v_first=False,
+        cu_seqlens=torch.tensor(cu, device=x["q"].device), ssm_state_indices=None, num_accepted_tokens=None,
+        inplace_final_state=False, check_values=False)
+    assert inputs.cu_seqlens_cpu is None
+    with pytest.raises(ValueError, match="`cu_seqlens` must"):
+        registry.get("torch").fused_recurrent_kda(opts, inputs)

@@ -3,7 +3,7 @@ given bandwidth: the floor each kernel's measured time is set against (BENCHMARK
 time goes").
 
     python tools/byte_budget.py [--case "B1 T8192 H64"] [--gate safe] [--backward] [--tbps 4.3]
-                                [--sm-count 132] [--markdown]
+                                [--sm-count 132]
 
 It runs on the CPU at the case's full shape with the kernels not running
 (``recorded_launches(run=False)``, Triton's interpreter mode so that CPU tensors pass): the call's

@@ -27,6 +27,8 @@ import sys
 import tempfile
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, TOOLS)
+from compile_check import compile_record, resources, tool_path  # noqa: E402
 
 
 # the launch's record (compile_check's form), from a dry run of the call under the interpreter
@@ -57,9 +59,6 @@ def record(kernel: str, case: str, gate: str | None, backward: bool, nth: int, s
 
 def lines(r: dict, arch: int) -> tuple[str, collections.Counter, dict]:
     """(registers and stack, instructions per source location, opcodes per location) of the record."""
-    sys.path.insert(0, TOOLS)
-    from compile_check import compile_record, resources, tool_path
-
     kernel = compile_record(r, arch, aligned=True)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])

@@ -1,5 +1,5 @@
 """Public operators: validate -> KDAOptions -> backend registry. Same names and defaults as
-``fla.ops.kda`` (SPEC section 3)."""
+``fla.ops.kda`` (docs/api.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from . import platform
 from .backends import registry
 from .backends.registry import explain
 from . import library  # noqa: F401  (registers the torch.library custom ops)
-from .options import autocast_qkv, check_writable, chunk_options, foreign_keywords, recurrent_options, state_layout
+from .options import autocast_qkv, chunk_options, foreign_keywords, recurrent_options, state_layout
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "explain"]
 
@@ -216,8 +216,6 @@ def fused_recurrent_kda(
         cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
         inplace_final_state=inplace_final_state, raise_on_bad_index=raise_on_bad_index, check_values=not compiling,
     )
-    if inplace_final_state and not compiling:  # the compiled op runs this call eagerly, which checks
-        check_writable("initial_state", initial_state)
     if compiling:  # the in-place op (a pool written in place) has no backward; the functional one has
         op = torch.ops.fastkda.fused_recurrent_kda if inplace_final_state else torch.ops.fastkda.fused_recurrent_kda_functional
         o, final = op(
@@ -246,10 +244,12 @@ def decode_error(device=None) -> str | None:
     graph replay (it reads a device flag: one synchronisation). The PyTorch backend checks on the
     host and raises at once.
     """
-    from .backends.triton import recurrent
-
-    code = recurrent.take_error_code(platform.resolve_device(device))
-    return recurrent.describe_error(code) if code else None
+    dev = platform.resolve_device(device)
+    for backend in registry.backends():
+        error = backend.take_decode_error(dev)
+        if error is not None:
+            return error
+    return None
 
 
 registry.register_operator(chunk_kda, "chunk_kda")

@@ -33,7 +33,7 @@ _OURS = {
 }
 _lock = threading.Lock()
 _originals: dict[str, object] = {}  # name -> fla's function, while routed
-_replaced: list[tuple[object, str, object]] = []  # (module, attribute, fla's value) routing replaced
+_replaced: list[tuple[object, str, object, object]] = []  # (module, attribute, fla's value, fastkda's) replaced
 
 
 def _route_modules() -> int:
@@ -51,7 +51,7 @@ def _route_modules() -> int:
             new = by_id.get(id(value))
             if new is not None and value is not new:
                 setattr(module, attr, new)
-                _replaced.append((module, attr, value))
+                _replaced.append((module, attr, value, new))
                 count += 1
     return count
 
@@ -78,8 +78,8 @@ def unroute_fla_kda() -> int:
     still hold fastkda's); the number restored."""
     with _lock:
         restored = 0
-        for module, attr, fla_fn in reversed(_replaced):
-            if getattr(module, attr, None) is not fla_fn:
+        for module, attr, fla_fn, ours in reversed(_replaced):
+            if getattr(module, attr, None) is ours:
                 setattr(module, attr, fla_fn)
                 restored += 1
         _replaced.clear()

@@ -1,4 +1,4 @@
-"""Public gate helpers (SPEC section 2): torch references and the fused activations."""
+"""Public gate helpers (docs/math.md section 4): torch references and the fused activations."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def fused_kda_gate(
     ``-exp(A_log) * softplus(g + dt_bias)``; with ``lower_bound``,
     ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (``A_log`` may then be None).
     """
-    opts = gate_options(g, A_log, dt_bias, lower_bound, output_dtype)
+    opts, _ = gate_options(g, A_log, dt_bias, lower_bound, output_dtype)
     return registry.dispatch("kda_gate", opts, (g, A_log, dt_bias))
 
 
@@ -45,8 +45,8 @@ def kda_gate_chunk_cumsum(
     ``chunk_indices`` is accepted for compatibility and not needed.
     """
     del chunk_indices  # derived from cu_seqlens where a backend needs it
-    opts = gate_options(
+    opts, cu_host = gate_options(
         g, A_log, dt_bias, lower_bound, output_dtype, chunk_size=chunk_size, scale=scale, cu_seqlens=cu_seqlens,
         need_time_axis=True,
     )
-    return registry.dispatch("kda_gate_chunk_cumsum", opts, (g, A_log, dt_bias, cu_seqlens))
+    return registry.dispatch("kda_gate_chunk_cumsum", opts, (g, A_log, dt_bias, cu_seqlens, cu_host))

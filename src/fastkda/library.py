@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .backends import registry
 from .dtypes import state_dtype
-from .options import autocast_qkv, check_writable, chunk_options, recurrent_options
+from .options import autocast_qkv, chunk_options, recurrent_options
 
 
 _GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -192,8 +192,6 @@ def _fused_recurrent(
         cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
         inplace_final_state=inplace_final_state, raise_on_bad_index=raise_on_bad_index,
     )
-    if inplace_final_state:
-        check_writable("initial_state", initial_state)
     with ctx:
         o, final = registry.dispatch("fused_recurrent_kda", opts, inputs)
     if inplace_final_state or final is None:

@@ -1,4 +1,4 @@
-"""Plain references, float64 by default: a per-token recurrence and the chunked form of SPEC section 4.
+"""Plain references, float64 by default: a per-token recurrence and the chunked form of docs/math.md section 2.
 
 They favour obviousness over speed and are what every backend is tested against. Both take every
 option of the public operators (GVA, varlen, states, state_v_first, l2norm, beta sigmoid,
@@ -64,7 +64,7 @@ def activate(
     q, k, v, g, beta, *, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
     lower_bound=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, dtype=torch.float64,
 ):
-    """The per-token preprocessing of SPEC section 1, in ``dtype``.
+    """The per-token preprocessing of docs/math.md section 1, in ``dtype``.
 
     Returns ``q, k`` expanded to the value heads ``[B, T, HV, K]``, ``v``, the log-space decay ``g``
     and the effective ``beta``.
@@ -113,7 +113,7 @@ def naive_recurrent_kda(
     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
     dtype=torch.float64, return_all_states=False,
 ):
-    """Token-by-token KDA (SPEC section 1).
+    """Token-by-token KDA (docs/math.md section 1).
 
     Returns ``(o, final_state)``: ``o [B, T, HV, V]``, ``final_state [N, HV, K, V]`` (``[N, HV, V, K]``
     with ``state_v_first``) or None, both in ``dtype``. With ``return_all_states=True`` a third item
@@ -157,7 +157,7 @@ def naive_chunk_kda(
     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
     chunk_size=64, dtype=torch.float64, return_intermediate_states=False,
 ):
-    """The chunked form of SPEC section 4, written plainly (one sequence, one chunk at a time).
+    """The chunked form of docs/math.md section 2, written plainly (one sequence, one chunk at a time).
 
     Within a chunk with cumulative gate G: ``(I + L) A = Diag(beta)``,
     ``L_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)`` (j < i), ``w = A (k exp(G))``, ``u = A v``;

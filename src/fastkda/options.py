@@ -1,8 +1,8 @@
 """Every keyword option of the public operators, checked once and frozen.
 
 ``chunk_options`` / ``recurrent_options`` / ``gate_options`` turn the ~20 keyword arguments of a
-call into a small frozen dataclass plus the tensors (:class:`KDAInputs`). Every rule of SPEC
-section 3 lives here and raises ``ValueError`` / ``TypeError`` naming the argument and the bad
+call into a small frozen dataclass plus the tensors (:class:`KDAInputs`). Every rule of the API
+(docs/api.md) lives here and raises ``ValueError`` / ``TypeError`` naming the argument and the bad
 value before any work is done. Nothing below this module re-checks arguments.
 """
 
@@ -20,9 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .dtypes import FLOAT_DTYPES, INDEX_DTYPES, state_dtype  # noqa: F401  (state_dtype: re-exported)
-# the host side of cu_seqlens (reading, checking, the cache of derived tables); its names, re-exported
-from .seqlens import DERIVED_ENTRIES, check_seqlens, host_seqlens, host_values, seqlens_derived  # noqa: F401
+from .dtypes import FLOAT_DTYPES, INDEX_DTYPES
+from .seqlens import host_values
 
 MAX_K = 256
 
@@ -482,29 +481,30 @@ _RECURRENT_SEEN: dict = {}
 _RECURRENT_SEEN_MAX = 256
 
 
-def _layout(t: torch.Tensor) -> tuple:
-    return (t.shape, t.dtype, t.device)
-
-
 def _recurrent_key(tensors: tuple, flags: tuple, scalars: tuple, cu_seqlens, initial_state,
                    check_values) -> tuple | None:
     """What the checks of a recurrent call read, or None when they read more (a value: a CPU
-    cu_seqlens, a tensor scale) or raise on a type, which the full path then reports."""
-    if any(type(f) is not bool for f in flags) or any(
-            x is not None and type(x) not in (float, int) for x in scalars):
-        return None
+    cu_seqlens, a tensor scale) or raise on a type, which the full path then reports. Plain loops:
+    a decode step pays for this on every call."""
+    for f in flags:
+        if f is not True and f is not False:
+            return None
+    for x in scalars:
+        if x is not None and type(x) is not float and type(x) is not int:
+            return None
     if cu_seqlens is not None and (type(cu_seqlens) is not torch.Tensor or cu_seqlens.device.type == "cpu"):
         return None
-    layouts = []
-    for t in tensors:
+    grad = initial_state is not None and initial_state.requires_grad and torch.is_grad_enabled()
+    # the state's strides: whether an in-place pool's elements overlap
+    key = [flags, scalars, grad, check_values, None if initial_state is None else initial_state.stride()]
+    for t in tensors:  # (shape, dtype, device) of each tensor; None for an absent one
         if t is None:
-            layouts.append(None)
+            key.append(None)
         elif isinstance(t, torch.Tensor):
-            layouts.append(_layout(t))
+            key += (t.shape, t.dtype, t.device)
         else:
             return None
-    grad = initial_state is not None and initial_state.requires_grad and torch.is_grad_enabled()
-    return (*layouts, flags, scalars, grad, check_values)
+    return tuple(key)
 
 
 def recurrent_options(
@@ -582,6 +582,8 @@ def _recurrent_checked(
         _state("initial_state", h0, None if idx is not None else shape.N, shape, state_v_first, q, "recurrent")
         if inplace_final_state and (h0.requires_grad and torch.is_grad_enabled()):
             raise ValueError("`inplace_final_state=True` writes into `initial_state`, which requires grad; detach it or disable grad")
+        if inplace_final_state and check_values:  # (a compiled call checks when its op runs eagerly)
+            check_writable("initial_state", h0)
     if inplace_final_state and initial_state is None:
         raise ValueError("`inplace_final_state=True` writes into `initial_state`, got initial_state=None")
     opts = KDAOptions(
@@ -597,7 +599,8 @@ def _recurrent_checked(
 
 def gate_options(
     g, A_log, dt_bias, lower_bound, output_dtype, *, chunk_size=None, scale=None, cu_seqlens=None, need_time_axis=False
-) -> GateOptions:
+) -> tuple[GateOptions, torch.Tensor | None]:
+    """(the options of a gate call, the checked host copy of cu_seqlens or None)."""
     g = _tensor("g", g)
     _float_dtype("g", g)
     if g.ndim < 2:
@@ -609,13 +612,13 @@ def gate_options(
     H, K = g.shape[-2:]
     lower_bound = _lower_bound(lower_bound)
     mode = _gate_params(True, A_log, dt_bias, lower_bound, H, K, g)
-    varlen = False
+    varlen, cu_host = False, None
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
             raise ValueError(f"`chunk_size` must be a positive power of two, got {chunk_size!r}")
         if scale is not None:
             scale = _scale(scale, K)
         if cu_seqlens is not None:
-            _cu_seqlens(cu_seqlens, None, g.shape[0], g.shape[1], g, check_values=True)
+            _, cu_host = _cu_seqlens(cu_seqlens, None, g.shape[0], g.shape[1], g, check_values=True)
             varlen = True
-    return GateOptions(mode, lower_bound, output_dtype, chunk_size, scale, varlen)
+    return GateOptions(mode, lower_bound, output_dtype, chunk_size, scale, varlen), cu_host

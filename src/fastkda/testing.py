@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -67,7 +66,7 @@ GATES = ("pregated", "pregated_safe", "softplus", "lowerbound", "lowerbound_noA"
 
 @dataclass(frozen=True)
 class Case:
-    """One point of the option space of SPEC section 6."""
+    """One point of the option space (the axes of AXES)."""
 
     B: int = 1
     T: int = 100
@@ -113,7 +112,7 @@ class Case:
 
 
 # ----------------------------------------------------------------------------------------------
-# the checklist axes of SPEC section 6, as cases; each toggles one or two axes off the default
+# the option axes, as cases; each toggles one or two axes off the default
 
 AXES = {
     "dense": Case(T=100),
@@ -232,10 +231,9 @@ def reference(inputs: dict, chunked: bool | None = None, chunk_size: int = 64, *
     """The float64 reference for the keyword arguments of a call (``make_inputs`` output): the
     per-token recurrence, or (``chunked``) the chunked form, which the CPU tier checks against the
     per-token one to 1e-10 on every option. By default the per-token one on the CPU and the chunked
-    one for GPU tensors, whose real shapes make a per-token loop (under autograd, too) slow;
-    ``FASTKDA_TEST_CHUNKED=1`` makes the chunked one the default on the CPU too."""
+    one for GPU tensors, whose real shapes make a per-token loop (under autograd, too) slow."""
     if chunked is None:
-        chunked = (inputs["q"].is_cuda or os.environ.get("FASTKDA_TEST_CHUNKED") == "1") and not extra
+        chunked = inputs["q"].is_cuda and not extra
     kw = {k: inputs[k] for k in _REF_KEYS if k in inputs}
     if kw.get("initial_state") is not None:
         kw["initial_state"] = kw["initial_state"].double()

@@ -26,8 +26,6 @@ from ..options import autocast_qkv, chunk_options, foreign_keywords, recurrent_o
 
 log = logging.getLogger("fastkda.backends")
 
-OPS = ("chunk_kda", "fused_recurrent_kda", "kda_gate", "kda_gate_chunk_cumsum")
-
 
 class BackendUnavailableError(RuntimeError):
     """The forced backend cannot serve this call, or no backend can."""
@@ -50,6 +48,12 @@ class Backend:
 
     def describe_plan(self, op: str, opts: Any, inputs: Any) -> str | None:
         """What this backend would launch for the call, as text (None: nothing to say)."""
+        return None
+
+    def take_decode_error(self, device: torch.device) -> str | None:
+        """The pool-index error this backend kept for a decode call on ``device`` (a resolved
+        torch.device) that did not raise, cleared as it is read; None: none (a backend that raises
+        at once keeps none)."""
         return None
 
 
@@ -126,7 +130,8 @@ def forced_backend() -> str | None:
 
 
 def _disabled() -> set[str]:
-    return {s.strip() for s in os.environ.get("FASTKDA_DISABLE_BACKENDS", "").split(",") if s.strip()}
+    names = os.environ.get("FASTKDA_DISABLE_BACKENDS")
+    return {s.strip() for s in names.split(",") if s.strip()} if names else set()
 
 
 def needs_grad(inputs: Any) -> bool:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..naive import activate, naive_kda_gate, naive_kda_lowerbound_gate
 from ..options import GateMode, GateOptions, KDAInputs, KDAOptions, graph_chunk_slots
-from ..seqlens import check_seqlens
+from ..seqlens import check_seqlens, host_values
 from .registry import Backend
 
 # exp of every sum of gates that includes a gate at or below this is exactly 0 in float32 and
@@ -400,7 +400,9 @@ def recurrent_forward(opts: KDAOptions, x: KDAInputs):
     s = opts.shape
     cdt = compute_dtype(x.q)
     dev = x.q.device
-    cu_host = None if x.cu_seqlens is None else x.cu_seqlens.detach().to("cpu", torch.int64)
+    cu_host = x.cu_seqlens_cpu  # the options' checked copy; a device cu_seqlens they left unread is read here
+    if cu_host is None and x.cu_seqlens is not None:
+        cu_host = host_values(x.cu_seqlens, None, s.T)  # (this backend reads the pool indices back anyway)
     live = None
     if opts.pool:
         start_host = check_pool_indices(opts, x, seq_lens(s.B, s.T, cu_host)[0])
@@ -472,9 +474,9 @@ def gate_forward(opts: GateOptions, g, A_log, dt_bias):
     return naive_kda_lowerbound_gate(g, A_log, dt_bias, opts.lower_bound, opts.output_dtype)
 
 
-def gate_chunk_cumsum(opts: GateOptions, g, A_log, dt_bias, cu_seqlens):
+def gate_chunk_cumsum(opts: GateOptions, g, A_log, dt_bias, cu_seqlens, cu_host):
+    """``cu_host``: the options' checked host copy of ``cu_seqlens``."""
     B, T = g.shape[:2]
-    cu_host = None if cu_seqlens is None else cu_seqlens.detach().to("cpu", torch.int64)
     y = gate_forward(GateOptions(opts.gate, opts.lower_bound, compute_dtype(g)), g, A_log, dt_bias)
     lay = ChunkLayout(B, T, opts.chunk_size, cu_host, g.device)
     out = lay.merge([p.cumsum(1) for p in lay.split(y)])

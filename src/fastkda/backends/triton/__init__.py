@@ -21,10 +21,11 @@ import torch
 from ... import platform
 from ..registry import Backend, forced_backend, needs_grad
 from .function import chunk_forward, chunk_kda_autograd, chunk_kda_vjp, plan_of
-from .recurrent import decode_call_of, recurrent_forward
+from .recurrent import decode_call_of, describe_error, recurrent_forward, take_error_code
 from . import gate as gate_kernels
 
 MAX_DIM = platform.TRITON_MAX_DIM
+MAX_GATE_CHUNK = 64  # kda_gate_chunk_cumsum's chunk: [C, K] in one program
 KERNEL_MODULES = ("chunk_gates", "intra", "wy", "short", "scan", "output", "bwd_scan", "bwd_wy", "bwd_intra",
                   "bwd_l2norm", "recurrent", "gate")
 
@@ -61,10 +62,17 @@ class TritonBackend(Backend):
         for t in inputs:
             if isinstance(t, torch.Tensor) and wrapped(t):
                 return False, "torch.func transforms (grad, vjp, vmap): the kernels take plain tensors only"
-        if op.startswith("kda_gate"):  # inputs: (g, A_log, dt_bias[, cu_seqlens])
+        if op.startswith("kda_gate"):  # inputs: (g, A_log, dt_bias[, cu_seqlens, its host copy])
             ok, reason = self._device_ok(inputs[0])
-            if ok and inputs[0].dtype == torch.float64:
+            if not ok:
+                return ok, reason
+            if inputs[0].dtype == torch.float64:
                 return False, "float64 inputs: the PyTorch backend serves them"
+            K = inputs[0].shape[-1]
+            if K > MAX_DIM:  # a program holds rows of K
+                return False, f"K={K}: the Triton gate kernels take K <= {MAX_DIM}"
+            if op == "kda_gate_chunk_cumsum" and opts.chunk_size > MAX_GATE_CHUNK:  # a program holds a chunk
+                return False, f"chunk_size={opts.chunk_size}: the Triton cumulative sum takes chunks of at most {MAX_GATE_CHUNK}"
             return ok, reason
         ok, reason = self._device_ok(inputs.q)
         if not ok:
@@ -100,6 +108,10 @@ class TritonBackend(Backend):
 
     def fused_recurrent_kda(self, opts, inputs):
         return recurrent_forward(opts, inputs)
+
+    def take_decode_error(self, device):
+        code = take_error_code(device)
+        return describe_error(code) if code else None
 
     def kda_gate(self, opts, inputs):
         return gate_kernels.gate_forward(opts, *inputs)

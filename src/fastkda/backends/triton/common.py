@@ -15,11 +15,10 @@ import triton
 import triton.language as tl
 
 from ...alloc import new_empty
-from ...options import GateMode, graph_chunk_slots, seqlens_derived
+from ...options import GateMode, graph_chunk_slots
+from ...seqlens import seqlens_derived
 from .plan import cdiv
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 
 # gate modes, as constexpr ints
 GATE_PREGATED = 0
@@ -131,8 +130,8 @@ def softplus(x, FAST: tl.constexpr):
 @triton.jit
 def activate_gate(b_g, A_log, dt_bias, i_hv, o_k, m_k, lower_bound, GATE: tl.constexpr, HAS_A: tl.constexpr,
                   HAS_BIAS: tl.constexpr, K: tl.constexpr, FAST: tl.constexpr):
-    """The log-space decay of a [rows, BK] block of raw gate inputs (SPEC section 2), float32; FAST:
-    softplus's form (and with 2 the lower-bound gate's sigmoid from the hardware's approximations)."""
+    """The log-space decay of a [rows, BK] block of raw gate inputs (docs/math.md section 4), float32;
+    FAST: softplus's form (and with 2 the lower-bound gate's sigmoid from the hardware's approximations)."""
     if GATE == 0:
         return b_g
     if HAS_BIAS:

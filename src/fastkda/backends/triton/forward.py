@@ -108,7 +108,7 @@ def stage1_intra(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs) -> Stage1:
     s, C, s1 = opts.shape, opts.chunk_size, plan.stage1
     B, T, H, HV, K = s.B, s.T, s.H, s.HV, s.K
     if s1.whole and not opts.safe_gate and opts.gate == GateMode.PREGATED:
-        raise ValueError("the whole-chunk path needs gates activated in the kernel (non-positive)")
+        raise RuntimeError("the whole-chunk path needs gates activated in the kernel (non-positive)")
     chunk_indices, chunk_offsets, NT = chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu)
     dev, dt = x.q.device, x.q.dtype
     f32 = dict(dtype=torch.float32, device=dev)
@@ -184,7 +184,7 @@ def forward_stages(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, x: KDAInpu
     ``stage1_intra`` kept from the forward, from which only stage1_wu and the scan run. ``o_dtype``:
     o's (default v's)."""
     if plan.short is not None:
-        raise ValueError("forward_stages: the plan takes the short path (short_forward)")
+        raise RuntimeError("forward_stages: the plan takes the short path (short_forward)")
     if intra is None:
         intra = stage1_intra(opts, plan, x)
     p = stage1_wu(opts, plan, scan, intra, x)

@@ -7,7 +7,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ...options import host_seqlens
 from ...alloc import new_empty
 from .common import activate_gate, chunk_location, chunk_tables, contiguous, gate_backward, gate_launch, launch
 from .plan import cdiv, current_tuning, pow2
@@ -107,13 +106,14 @@ def gate_forward(opts, g, A_log, dt_bias):
     return _GateFunction.apply(g, contiguous(A_log), contiguous(dt_bias), opts)  # the kernels index them densely
 
 
-def gate_chunk_cumsum(opts, g, A_log, dt_bias, cu_seqlens):
+def gate_chunk_cumsum(opts, g, A_log, dt_bias, cu_seqlens, cu_host):
+    """``cu_host``: the options' checked host copy of ``cu_seqlens``."""
     B, T, HV, K = g.shape
     C = opts.chunk_size
     g, A_log, dt_bias, cu_seqlens = (contiguous(t) for t in (g, A_log, dt_bias, cu_seqlens))
     y = new_empty(B, T, HV, K, dtype=opts.output_dtype, device=g.device)
     if cu_seqlens is not None:
-        chunk_indices, _, NT_total = chunk_tables(host_seqlens(cu_seqlens), C, g.device)
+        chunk_indices, _, NT_total = chunk_tables(cu_host, C, g.device)
     else:
         chunk_indices, NT_total = None, B * cdiv(T, C)
     if NT_total:

@@ -86,7 +86,7 @@ def _middle_anchor(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: 
                    EXACT_SUMS: tl.constexpr):
     """The middle anchor's factors e^(G - G_m) and e^(G_m - G) [C, BS], m the middle token (8) of each
     row's 16-token block: up to 8 gates (|exponent| <= 58 for bounded gates; for others at most the
-    span that chunk_form's gok bit 0 admits, chunk_gates.DIAG_SPAN). EXACT_SUMS: exact sums, as _anchored's. The
+    span that chunk_form's gok bit 0 admits, chunk_gates.DIAG_SPAN). EXACT_SUMS: exact sums, as tiles.anchored_level's. The
     anchors' gates load as [C // 16, BS] and spread over their blocks (per_block), not gathered per
     row (fewer loads)."""
     C: tl.constexpr = o_c.shape[0]
@@ -100,7 +100,7 @@ def _middle_anchor(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: 
 @triton.jit
 def _chained_level(b_r16, b_c16, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_c, o_d, strict,
              S: tl.constexpr, EXACT_SUMS: tl.constexpr):
-    """Level S of a chunk whose diagonal blocks take the middle anchor, as _anchored's (mask, row
+    """Level S of a chunk whose diagonal blocks take the middle anchor, as tiles.anchored_level's (mask, row
     factors, column factors), from the middle anchor's factors b_r16 = e^(G - G_m), b_c16 = e^(G_m -
     G) [C, BS] (m: the middle token of each row's 16-token block) times one factor per block,
     e^-|G_m - G_a| (a: the level's anchor; G_m <= G_a on the rows the level keeps, G_m >= G_a on
@@ -169,8 +169,7 @@ def kda_fwd_intra_chunk_kernel(
     (unbounded gates) the sums are exact (gc + gd), and the diagonal blocks of a chunk where the
     middle anchor would make a factor above 2^chunk_gates.DIAG_SPAN (gok = 0) take four levels of half-segment
     pairs (16, 8, 4, 2 tokens) and the diagonal instead. SELECT (the plan's split passes): 1, only the chunks with
-    gok == 1; 2, only the others; 0, every chunk. (One program for both matrices held 255
-    registers, 2 blocks per SM.) The row norms of q and k come from the tiles read here (part 0
+    gok == 1; 2, only the others; 0, every chunk. The row norms of q and k come from the tiles read here (part 0
     stores them to rs for the w/u kernel and the backward; the gates kernel then reads neither)."""
     i_m, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 2, HEADS_FIRST)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)

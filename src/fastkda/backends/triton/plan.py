@@ -94,7 +94,6 @@ class Tuning:
     scan_bv: int = 64
     scan_bv_narrow: int = 32  # where scan_bv-wide programs would fill at most half the SMs
     scan_bv_wide_keys: int = 64  # K > 128
-    scan_bv_crowded: int | None = None  # where scan_bv-wide programs outnumber the SMs (None: scan_bv)
     scan_warps: int = 4
     scan_stages: int = 3
     scan_stages_crowded: int = 1
@@ -196,7 +195,7 @@ def cdiv(a: int, b: int) -> int:
 
 class Dot(NamedTuple):
     """Matrix products for inputs of one dtype: operand dtype, input precision, and whether bfloat16
-    products are emulated (the interpreter's are wrong: common.as_operand)."""
+    products are emulated (the interpreter's are wrong: tiles.as_operand)."""
 
     dtype: object
     prec: str
@@ -450,16 +449,14 @@ def _scan_programs(opts: KDAOptions, BV: int) -> int:
 
 def scan_bv(opts: KDAOptions, sms: int, tuning: Tuning) -> int:
     """Value columns per forward-scan program: narrow where wide programs would fill at most half
-    the SMs (each program is one chain of dependent products), wider where they crowd them; K > 128
-    takes scan_bv_wide_keys (32 columns over several programs per head gave wrong states there on
-    Triton 3.6)."""
+    the SMs (each program is one chain of dependent products), else scan_bv; K > 128
+    takes scan_bv_wide_keys (Triton 3.6 miscompiles 32 columns over several programs per head
+    there)."""
     s = opts.shape
     if s.K > 128:
         bv = tuning.scan_bv_wide_keys
     elif _scan_programs(opts, tuning.scan_bv) <= sms // 2:
         bv = tuning.scan_bv_narrow
-    elif tuning.scan_bv_crowded and _scan_programs(opts, tuning.scan_bv) > sms:
-        bv = tuning.scan_bv_crowded
     else:
         bv = tuning.scan_bv
     return min(pow2(s.V), bv)
@@ -508,8 +505,8 @@ def _scan(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, chunks: int, out
     BK = pow2(s.K)
     BV = scan_bv(opts, dev.sm_count, tuning)
     crowded = _scan_programs(opts, BV) > dev.sm_count
-    # u in the scan: not where u is kept for the backward, nor for 16-bit inputs with float32 X (that
-    # tf32 product beside the scan's 16-bit ones faulted on the H200 for float16, Triton 3.6)
+    # u in the scan: not where u is kept for the backward, nor for 16-bit inputs with float32 X (Triton
+    # 3.6's code for that tf32 product beside the scan's float16 ones faults on sm_90)
     form_u = False
     if tuning.u_in_scan and not keep and (dtype == torch.float32 or s1.x_dtype != torch.float32 or s1.x_copy):
         form_u = crowded if tuning.u_in_scan == "crowded" else True
@@ -559,7 +556,7 @@ def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, do
     BK, BV = pow2(s.K), pow2(s.V)
     low = _bf16_prec(dev.interpret) if dtype == torch.bfloat16 else dot.prec
     # X kept in float32 for the scan's u (fewer bytes than u, and no rounding of u); float16 inputs
-    # form u in stage 1 (a tf32 product beside the scan's float16 ones faulted on the H200, Triton 3.6)
+    # form u in stage 1 (Triton 3.6's code for a tf32 product beside float16 ones faults on sm_90)
     form_u = dtype != torch.float16
     # the inverse in tf32 (operands rounded to nearest) for bfloat16 inputs, whose own rounding is 16
     # times coarser; exact products for float32 and float16 ones

@@ -431,9 +431,23 @@ class DecodeCall(NamedTuple):
     cols: int  # slots per sequence of the index rows
     num_slots: int
     n_tiles: int  # 0: no (sequence, value head) pair, no decode launch
-    # read only (shared by every call of the layout; plain dicts: the fastest to unpack)
-    check_kwargs: dict  # kda_check_indices_kernel's scalars, constexprs and launch options
-    decode_kwargs: dict  # kda_recurrent_kernel's
+    # each kernel's arguments after its tensors, in order, and its launch options (read only:
+    # shared by every call of the layout; positional arguments bind fastest)
+    check_args: tuple
+    check_options: dict
+    decode_args: tuple
+    decode_options: dict
+
+
+CHECK_TENSORS = 5  # kda_check_indices_kernel's leading tensors: idx, acc, cu_seqlens, scratch, sticky
+DECODE_TENSORS = 15  # kda_recurrent_kernel's: q ... sticky
+
+
+def _split_arguments(kernel, n_tensors: int, kwargs: dict) -> tuple[tuple, dict]:
+    """``kwargs`` as the kernel's arguments after its ``n_tensors`` leading ones (in order) and the
+    launch options (the rest)."""
+    names = kernel.arg_names[n_tensors:]
+    return tuple(kwargs[n] for n in names), {n: v for n, v in kwargs.items() if n not in names}
 
 
 @functools.lru_cache(maxsize=256)
@@ -457,8 +471,9 @@ def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen:
     scalars = dict(N=N, T=T, num_slots=num_slots, stride_idx=stride_idx, COLS=cols)
     check_kwargs = dict(**scalars, BC=bc, BN=plan.check_rows, SPEC=opts.spec_decode, IS_VARLEN=varlen, KEEP=not raises,
                         UNIQUE=opts.inplace_final_state, PDL=c.dependent, **plan.check_launch.kwargs())
+    check_args, check_options = _split_arguments(kda_check_indices_kernel, CHECK_TENSORS, check_kwargs)
     if n_tiles == 0:
-        return DecodeCall(plan, c, cols, num_slots, 0, check_kwargs, {})
+        return DecodeCall(plan, c, cols, num_slots, 0, check_args, check_options, (), {})
     strides, h_tile = _state_strides(h0_shape, h0_stride, opts.state_v_first)
     decode_kwargs = dict(
         scale=opts.scale, **scalars, **strides, H=H, HV=HV, K=K, V=V, BK=plan.BK, BV=plan.BV,
@@ -469,7 +484,8 @@ def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen:
         CHECK=c.check, BC=bc, BN=c.check_rows, KEEP=not raises, PDL=c.dependent, ONE_TOKEN=one_token,
         ONE_TILE=c.one_tile, n_tiles=n_tiles, NPROG=c.grid[0], STAGES=c.stages, launch_pdl=c.dependent,
         **plan.launch.kwargs())
-    return DecodeCall(plan, c, cols, num_slots, n_tiles, check_kwargs, decode_kwargs)
+    return DecodeCall(plan, c, cols, num_slots, n_tiles, check_args, check_options,
+                      *_split_arguments(kda_recurrent_kernel, DECODE_TENSORS, decode_kwargs))
 
 
 def decode_call_of(opts, x, raises: bool, dev: torch.device) -> DecodeCall:
@@ -501,10 +517,10 @@ def recurrent_forward(opts, x):
     elif check == 1:  # this call's error code, then (in place) the owner of every slot
         scratch = torch.empty(1 + (c.num_slots if opts.inplace_final_state else 0), dtype=torch.int32, device=dev)
         launch(kda_check_indices_kernel, (1,), idx, acc, cu, scratch, sticky if not raises else scratch,
-               **c.check_kwargs)
+               *c.check_args, **c.check_options)
     if c.n_tiles > 0:
         launch(kda_recurrent_kernel, c.choice.grid, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, o, h0, ht, cu, idx,
-               acc, scratch, sticky, **c.decode_kwargs)
+               acc, scratch, sticky, *c.decode_args, **c.decode_options)
     if raises and scratch is not None:
         code = int(scratch[0].item())
         if code:

@@ -101,9 +101,9 @@ def fwd_scan(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, w, u, xs, qg, kd
     B, T, HV, K, V, N = s.B, s.T, s.HV, s.K, s.V, s.N
     dev, dt = w.device, w.dtype
     if scan.form_u != (u is None):
-        raise ValueError("fwd_scan: u must be None exactly where the scan forms it")
+        raise RuntimeError("fwd_scan: u must be None exactly where the scan forms it")
     if Aqk.shape[-1] != scan.chunk:
-        raise ValueError(f"fwd_scan: stage 1 made chunks of {Aqk.shape[-1]} tokens, the scan steps {scan.chunk}")
+        raise RuntimeError(f"fwd_scan: stage 1 made chunks of {Aqk.shape[-1]} tokens, the scan steps {scan.chunk}")
     o = out_alloc(opts)(B, T, HV, V, dtype=o_dtype or x.v.dtype, device=dev) if scan.outputs else None
     ht = None
     if scan.outputs and opts.output_final_state:

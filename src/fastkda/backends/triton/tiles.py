@@ -253,14 +253,14 @@ def level_products(b_q, b_k, b_g, b_gn, o_i, PREC: tl.constexpr):
 @triton.jit
 def block_pairs(i, j, strict):
     """Mask of the pairs (i, j) of the diagonal 16-token blocks with j <= i - strict (the middle
-    anchor's level: _middle, _chained); block_pairs(j, i, ..) is its transpose."""
+    anchor's level: intra's _middle_anchor and _chained_level); block_pairs(j, i, ..) is its transpose."""
     return ((i // 16) == (j // 16)) & (j <= i - strict)
 
 
 @triton.jit
 def cum_gates_lo(gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_i, o_d, EXACT_SUMS: tl.constexpr):
     """With EXACT_SUMS, the rounding errors of the stored cumulative gates (gd, float16) at rows t0 + o_i, as
-    ``_c``: the exact sums are gc + gd. Without it, zeros."""
+    cum_gates: the exact sums are gc + gd. Without it, zeros."""
     if EXACT_SUMS:
         return cum_gates(gd, bos, t0, T_seq, i_hv, HV, K, o_i, o_d).to(tl.float32)
     return tl.zeros([o_i.shape[0], o_d.shape[0]], tl.float32)

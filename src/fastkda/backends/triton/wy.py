@@ -96,7 +96,7 @@ def kda_fwd_inverse_kernel(
 
 @triton.jit
 def _cum_gates_lo_where(gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_i, o_d, m_x):
-    """The rounding errors gd (float16) at rows t0 + o_i as _c_lo, where the scalar m_x holds (the
+    """The rounding errors gd (float16) at rows t0 + o_i as tiles.cum_gates_lo, where the scalar m_x holds (the
     chunk has them), else zeros (masked loads)."""
     o_t = tl.minimum(t0 + o_i, T_seq - 1)
     p = gd + (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :]
@@ -153,7 +153,7 @@ def kda_fwd_wu_kernel(
             b_dG = b_last[None, :] - b_G
             if EXACT_SUMS:  # plus the difference of the rounding errors (docs/math.md section 3)
                 m_x = tl.full([], 1, tl.int1)
-                if SPLIT:  # stored for the chunks with gok != 1 alone; masked loads (faster than a branch)
+                if SPLIT:  # stored for the chunks with gok != 1 alone; masked loads, no branch
                     m_x = tl.load(gok + i_p) != 1
                 o_last = tl.full([1], C - 1, tl.int32)
                 b_dG += _cum_gates_lo_where(gd, bos, t0, T_seq, i_hv, HV, K, o_last, o_d, m_x) \
