@@ -72,7 +72,8 @@ class TritonBackend(Backend):
             if K > MAX_DIM:  # a program holds rows of K
                 return False, f"K={K}: the Triton gate kernels take K <= {MAX_DIM}"
             if op == "kda_gate_chunk_cumsum" and opts.chunk_size > MAX_GATE_CHUNK:  # a program holds a chunk
-                return False, f"chunk_size={opts.chunk_size}: the Triton cumulative sum takes chunks of at most {MAX_GATE_CHUNK}"
+                return False, (f"chunk_size={opts.chunk_size}: the Triton cumulative sum takes chunks of at most "
+                               f"{MAX_GATE_CHUNK}")
             return ok, reason
         ok, reason = self._device_ok(inputs.q)
         if not ok:
