@@ -156,13 +156,16 @@ RECURRENT_RULES = [
     ("allow_neg_eigval without sigmoid", dict(allow_neg_eigval=True), ValueError, r"needs `use_beta_sigmoid_in_kernel=True`"),
     ("A_log missing", dict(use_gate_in_kernel=True), ValueError, r"`A_log` must be given"),
     ("g shape", dict(g=-torch.rand(B, T, H, K)), ValueError, r"`g` must have shape"),
+    ("state type", dict(initial_state=[0.0]), TypeError, r"`initial_state` must be a torch.Tensor, got list"),
+    ("pool type", dict(initial_state=[0.0], ssm_state_indices=torch.tensor([0])), TypeError,
+     r"`initial_state` must be a torch.Tensor, got list"),
 ]
 
 
 @pytest.mark.parametrize("name,over,exc,match", RECURRENT_RULES, ids=[r[0] for r in RECURRENT_RULES])
 def test_fused_recurrent_rule(name, over, exc, match):
     before = over.get("initial_state")
-    snapshot = before.clone() if before is not None else None
+    snapshot = before.clone() if isinstance(before, torch.Tensor) else None
     with pytest.raises(exc, match=match):
         fused_recurrent_kda(**base(**over))
     if snapshot is not None:

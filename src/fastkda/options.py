@@ -485,9 +485,7 @@ def _recurrent_key(tensors: tuple, flags: tuple, scalars: tuple, cu_seqlens, ini
             return None
     if cu_seqlens is not None and (type(cu_seqlens) is not torch.Tensor or cu_seqlens.device.type == "cpu"):
         return None
-    grad = initial_state is not None and initial_state.requires_grad and torch.is_grad_enabled()
-    # the state's strides: whether an in-place pool's elements overlap
-    key = [flags, scalars, grad, check_values, None if initial_state is None else initial_state.stride()]
+    key = [flags, scalars, check_values]
     for t in tensors:  # (shape, dtype, device) of each tensor; None for an absent one
         if t is None:
             key.append(None)
@@ -495,6 +493,8 @@ def _recurrent_key(tensors: tuple, flags: tuple, scalars: tuple, cu_seqlens, ini
             key += (t.shape, t.dtype, t.device)
         else:
             return None
+    if initial_state is not None:  # (a tensor, one of `tensors`) its strides: whether a pool's elements overlap
+        key += (initial_state.stride(), initial_state.requires_grad and torch.is_grad_enabled())
     return tuple(key)
 
 

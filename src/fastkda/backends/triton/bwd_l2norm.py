@@ -31,13 +31,14 @@ def kda_bwd_qk_kernel(x, dxh, dx, rows, H: tl.constexpr, G: tl.constexpr, K: tl.
     tl.store(dx + o_p, b_dy.to(dx.dtype.element_ty), mask=m)
 
 
-def bwd_qk(x, dxh, l2norm: bool, rows_per_program: int):
-    """dq (or dk) [B, T, H, K] in x's dtype from the per-value-head dxh [B, T, HV, K] (float32)."""
+def bwd_qk(x, dxh, l2norm: bool, rows_per_program: int, launch_opts):
+    """dq (or dk) [B, T, H, K] in x's dtype from the per-value-head dxh [B, T, HV, K] (float32);
+    ``launch_opts``: the plan's Launch."""
     B, T, H, K = x.shape
     HV = dxh.shape[2]
     dx = new_empty(B, T, H, K, dtype=x.dtype, device=x.device)
     rows = B * T
     if rows:
         launch(kda_bwd_qk_kernel, (cdiv(rows, rows_per_program), H), x, dxh, dx, rows, H=H, G=HV // H, K=K,
-               BK=pow2(K, 1), BR=rows_per_program, L2NORM=l2norm)
+               BK=pow2(K, 1), BR=rows_per_program, L2NORM=l2norm, **launch_opts.kwargs())
     return dx
