@@ -201,6 +201,8 @@ def test_gate_helpers_validate():
         fused_kda_gate(g, torch.randn(HV), torch.randn(3))
     with pytest.raises(ValueError, match=r"`chunk_size` must be a positive power of two, got 48"):
         kda_gate_chunk_cumsum(g, torch.randn(HV), 48)
+    with pytest.raises(ValueError, match=r"`chunk_size` must be a positive power of two, got None"):
+        kda_gate_chunk_cumsum(g, torch.randn(HV), None)
     with pytest.raises(ValueError, match=r"`g` must be \[B, T, H, K\]"):
         kda_gate_chunk_cumsum(g[0], torch.randn(HV), 64)
     with pytest.raises(ValueError, match=r"`cu_seqlens` must end at the total length T=5"):

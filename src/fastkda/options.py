@@ -467,7 +467,8 @@ def chunk_options(
 
 
 # Decoding calls repeat one layout step after step: the options of a checked call, by what its
-# checks read (tensor shapes, dtypes, devices; the flags and scalars), so that a repeat skips them.
+# checks read (tensor shapes, dtypes, devices; the state's strides and whether it requires grad;
+# the flags, scalars and check_values), so that a repeat skips them.
 _RECURRENT_SEEN: dict = {}
 _RECURRENT_SEEN_MAX = 256
 
@@ -603,6 +604,8 @@ def gate_options(
     lower_bound = _lower_bound(lower_bound)
     mode = _gate_params(True, A_log, dt_bias, lower_bound, H, K, g)
     cu_host = None
+    if need_time_axis and chunk_size is None:
+        raise ValueError("`chunk_size` must be a positive power of two, got None")
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
             raise ValueError(f"`chunk_size` must be a positive power of two, got {chunk_size!r}")
