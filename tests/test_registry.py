@@ -155,3 +155,32 @@ def test_torch_func_transforms_go_to_the_pytorch_backend():
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     with use_backend("triton"), pytest.raises(BackendUnavailableError, match="torch.func transforms"):
         torch.func.grad(lambda q: chunk_kda(q, **x)[0].sum())(q)
+
+
+class _Keeper(Backend):
+    """A backend that kept a decode error for one device."""
+
+    name = "keeper-test"
+    priority = -10
+
+    def __init__(self):
+        self.kept = {"cpu": "slot 7 is outside the pool"}
+
+    def verify(self, op, opts, inputs):
+        return False, "serves nothing"
+
+    def take_decode_error(self, device):
+        return self.kept.pop(str(device), None)
+
+
+def test_decode_error_asks_every_backend():
+    """fastkda.decode_error returns the message a registered backend kept for the device and
+    clears it there; None once no backend has one."""
+    while fastkda.decode_error("cpu") is not None:  # what earlier calls in this process left
+        pass
+    b = register(_Keeper())
+    try:
+        assert fastkda.decode_error("cpu") == "slot 7 is outside the pool"
+        assert fastkda.decode_error("cpu") is None
+    finally:
+        registry.unregister(b.name)

@@ -156,13 +156,16 @@ RECURRENT_RULES = [
     ("allow_neg_eigval without sigmoid", dict(allow_neg_eigval=True), ValueError, r"needs `use_beta_sigmoid_in_kernel=True`"),
     ("A_log missing", dict(use_gate_in_kernel=True), ValueError, r"`A_log` must be given"),
     ("g shape", dict(g=-torch.rand(B, T, H, K)), ValueError, r"`g` must have shape"),
+    ("state type", dict(initial_state=[0.0]), TypeError, r"`initial_state` must be a torch.Tensor, got list"),
+    ("pool type", dict(initial_state=[0.0], ssm_state_indices=torch.tensor([0])), TypeError,
+     r"`initial_state` must be a torch.Tensor, got list"),
 ]
 
 
 @pytest.mark.parametrize("name,over,exc,match", RECURRENT_RULES, ids=[r[0] for r in RECURRENT_RULES])
 def test_fused_recurrent_rule(name, over, exc, match):
     before = over.get("initial_state")
-    snapshot = before.clone() if before is not None else None
+    snapshot = before.clone() if isinstance(before, torch.Tensor) else None
     with pytest.raises(exc, match=match):
         fused_recurrent_kda(**base(**over))
     if snapshot is not None:
@@ -198,6 +201,8 @@ def test_gate_helpers_validate():
         fused_kda_gate(g, torch.randn(HV), torch.randn(3))
     with pytest.raises(ValueError, match=r"`chunk_size` must be a positive power of two, got 48"):
         kda_gate_chunk_cumsum(g, torch.randn(HV), 48)
+    with pytest.raises(ValueError, match=r"`chunk_size` must be a positive power of two, got None"):
+        kda_gate_chunk_cumsum(g, torch.randn(HV), None)
     with pytest.raises(ValueError, match=r"`g` must be \[B, T, H, K\]"):
         kda_gate_chunk_cumsum(g[0], torch.randn(HV), 64)
     with pytest.raises(ValueError, match=r"`cu_seqlens` must end at the total length T=5"):

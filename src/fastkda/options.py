@@ -42,14 +42,9 @@ class KDAShape:
     V: int
     N: int  # number of sequences: B, or len(cu_seqlens) - 1
 
-    @property
-    def group(self) -> int:  # value heads per q/k head
-        return self.HV // self.H
-
 
 @dataclass(frozen=True)
 class KDAOptions:
-    op: str  # "chunk" or "recurrent"
     shape: KDAShape
     scale: float
     qk_l2norm: bool
@@ -58,10 +53,8 @@ class KDAOptions:
     safe_gate: bool
     beta_sigmoid: bool
     allow_neg_eigval: bool
-    has_initial_state: bool
     output_final_state: bool
     state_v_first: bool
-    varlen: bool
     chunk_size: int = 64
     disable_recompute: bool = False
     return_intermediate_states: bool = False
@@ -106,7 +99,6 @@ class GateOptions:
     output_dtype: torch.dtype
     chunk_size: int | None = None  # kda_gate_chunk_cumsum only
     scale: float | None = None  # kda_gate_chunk_cumsum only: multiplies the cumsum
-    varlen: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,10 +451,9 @@ def chunk_options(
     if return_intermediate_states and not torch.is_inference_mode_enabled():
         raise ValueError("`return_intermediate_states=True` is for inference only: call it inside torch.inference_mode()")
     opts = KDAOptions(
-        op="chunk", shape=shape, scale=scale, qk_l2norm=use_qk_l2norm_in_kernel, gate=gate,
+        shape=shape, scale=scale, qk_l2norm=use_qk_l2norm_in_kernel, gate=gate,
         lower_bound=lower_bound, safe_gate=safe_gate, beta_sigmoid=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, has_initial_state=initial_state is not None,
-        output_final_state=output_final_state, state_v_first=state_v_first, varlen=cu_seqlens is not None,
+        allow_neg_eigval=allow_neg_eigval, output_final_state=output_final_state, state_v_first=state_v_first,
         chunk_size=chunk_size, disable_recompute=disable_recompute,
         return_intermediate_states=return_intermediate_states, graph=graph,
     )
@@ -476,7 +467,8 @@ def chunk_options(
 
 
 # Decoding calls repeat one layout step after step: the options of a checked call, by what its
-# checks read (tensor shapes, dtypes, devices; the flags and scalars), so that a repeat skips them.
+# checks read (tensor shapes, dtypes, devices; the state's strides and whether it requires grad;
+# the flags, scalars and check_values), so that a repeat skips them.
 _RECURRENT_SEEN: dict = {}
 _RECURRENT_SEEN_MAX = 256
 
@@ -494,9 +486,7 @@ def _recurrent_key(tensors: tuple, flags: tuple, scalars: tuple, cu_seqlens, ini
             return None
     if cu_seqlens is not None and (type(cu_seqlens) is not torch.Tensor or cu_seqlens.device.type == "cpu"):
         return None
-    grad = initial_state is not None and initial_state.requires_grad and torch.is_grad_enabled()
-    # the state's strides: whether an in-place pool's elements overlap
-    key = [flags, scalars, grad, check_values, None if initial_state is None else initial_state.stride()]
+    key = [flags, scalars, check_values]
     for t in tensors:  # (shape, dtype, device) of each tensor; None for an absent one
         if t is None:
             key.append(None)
@@ -504,6 +494,8 @@ def _recurrent_key(tensors: tuple, flags: tuple, scalars: tuple, cu_seqlens, ini
             key += (t.shape, t.dtype, t.device)
         else:
             return None
+    if initial_state is not None:  # (a tensor, one of `tensors`) its strides: whether a pool's elements overlap
+        key += (initial_state.stride(), initial_state.requires_grad and torch.is_grad_enabled())
     return tuple(key)
 
 
@@ -587,10 +579,9 @@ def _recurrent_checked(
     if inplace_final_state and initial_state is None:
         raise ValueError("`inplace_final_state=True` writes into `initial_state`, got initial_state=None")
     opts = KDAOptions(
-        op="recurrent", shape=shape, scale=scale, qk_l2norm=use_qk_l2norm_in_kernel, gate=gate,
+        shape=shape, scale=scale, qk_l2norm=use_qk_l2norm_in_kernel, gate=gate,
         lower_bound=lower_bound, safe_gate=False, beta_sigmoid=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, has_initial_state=initial_state is not None,
-        output_final_state=output_final_state, state_v_first=state_v_first, varlen=cu_seqlens is not None,
+        allow_neg_eigval=allow_neg_eigval, output_final_state=output_final_state, state_v_first=state_v_first,
         pool=idx is not None, spec_decode=acc is not None, inplace_final_state=inplace_final_state,
         raise_on_bad_index=raise_on_bad_index,
     )
@@ -612,7 +603,9 @@ def gate_options(
     H, K = g.shape[-2:]
     lower_bound = _lower_bound(lower_bound)
     mode = _gate_params(True, A_log, dt_bias, lower_bound, H, K, g)
-    varlen, cu_host = False, None
+    cu_host = None
+    if need_time_axis and chunk_size is None:
+        raise ValueError("`chunk_size` must be a positive power of two, got None")
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
             raise ValueError(f"`chunk_size` must be a positive power of two, got {chunk_size!r}")
@@ -620,5 +613,4 @@ def gate_options(
             scale = _scale(scale, K)
         if cu_seqlens is not None:
             _, cu_host = _cu_seqlens(cu_seqlens, None, g.shape[0], g.shape[1], g, check_values=True)
-            varlen = True
-    return GateOptions(mode, lower_bound, output_dtype, chunk_size, scale, varlen), cu_host
+    return GateOptions(mode, lower_bound, output_dtype, chunk_size, scale), cu_host

@@ -21,11 +21,12 @@ import torch
 from ... import platform
 from ..registry import Backend, forced_backend, needs_grad
 from .function import chunk_forward, chunk_kda_autograd, chunk_kda_vjp, plan_of
+from .plan import pow2
 from .recurrent import decode_call_of, describe_error, recurrent_forward, take_error_code
 from . import gate as gate_kernels
 
 MAX_DIM = platform.TRITON_MAX_DIM
-MAX_GATE_CHUNK = 64  # kda_gate_chunk_cumsum's chunk: [C, K] in one program
+MAX_GATE_TILE = 64 * 256  # kda_gate_chunk_cumsum: a program holds a chunk, [C, pow2(K)]
 KERNEL_MODULES = ("chunk_gates", "intra", "wy", "short", "scan", "output", "bwd_scan", "bwd_wy", "bwd_intra",
                   "bwd_l2norm", "recurrent", "gate")
 
@@ -69,10 +70,9 @@ class TritonBackend(Backend):
             if inputs[0].dtype == torch.float64:
                 return False, "float64 inputs: the PyTorch backend serves them"
             K = inputs[0].shape[-1]
-            if K > MAX_DIM:  # a program holds rows of K
-                return False, f"K={K}: the Triton gate kernels take K <= {MAX_DIM}"
-            if op == "kda_gate_chunk_cumsum" and opts.chunk_size > MAX_GATE_CHUNK:  # a program holds a chunk
-                return False, f"chunk_size={opts.chunk_size}: the Triton cumulative sum takes chunks of at most {MAX_GATE_CHUNK}"
+            if op == "kda_gate_chunk_cumsum" and opts.chunk_size * pow2(K, 1) > MAX_GATE_TILE:
+                return False, (f"chunk_size={opts.chunk_size}, K={K}: the Triton cumulative sum holds a chunk in "
+                               f"one program, at most {MAX_GATE_TILE} elements")
             return ok, reason
         ok, reason = self._device_ok(inputs.q)
         if not ok:

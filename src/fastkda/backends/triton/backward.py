@@ -112,8 +112,9 @@ def gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, stage: list, do, 
     work = [p._replace(qg=None, kd=None, Aqk=None), vn, h, dhs, dvn]  # qg, kd, Aqk: read by the scans only
     del p, h, vn, dhs, dvn
     dqh, dkh, dv, dg, dbeta, dA_log, ddt_bias = chunk_gradients(opts, plan, x, work, do)
-    rows = plan.backward.qk_rows
-    dq, dk = bwd_qk(q, dqh, opts.qk_l2norm, rows), bwd_qk(k, dkh, opts.qk_l2norm, rows)
+    b = plan.backward
+    dq = bwd_qk(q, dqh, opts.qk_l2norm, b.qk_rows, b.qk)
+    dk = bwd_qk(k, dkh, opts.qk_l2norm, b.qk_rows, b.qk)
     if opts.graph:  # the l2norm backward reads every row of q, k: the rows after the last sequence
         # get 0 * (their input), which is NaN for a NaN input; they are zero
         tail = (torch.arange(opts.shape.T, device=q.device) >= cu_seqlens[opts.shape.N])[None, :, None, None]

@@ -72,7 +72,7 @@ def kda_bwd_gate_block_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, NSK: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, EXACT_SUMS: tl.constexpr, SELECT: tl.constexpr,
 ):
-    """Phase C after the whole-chunk stage 1 (gc from the chunk start), part 1: 16-token block r and
+    """Phase C after the whole-chunk stage 1 (gc from the chunk start), part 1: 16-token block i_b and
     feature slice i_s of a chunk (NC * NSK programs per chunk). The block's pairs with earlier
     columns take the anchor at its first token n (e^(G_i - G_n) e^(G_n - G_j), both <= 1 for any
     gate), its columns' pairs with later rows the anchor at its last token, the diagonal block the
@@ -83,16 +83,16 @@ def kda_bwd_gate_block_kernel(
     kda_bwd_dg_kernel. EXACT_SUMS: exact sums gc + gd; SELECT as intra.kda_fwd_intra_chunk_kernel's."""
     NC: tl.constexpr = C // 16
     i_sub, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NC * NSK, False)
-    r = i_sub // NSK
+    i_b = i_sub // NSK
     i_s = i_sub % NSK
-    if t0 + 16 * r >= T_seq:  # a block past the sequence end (or a slot past the real chunks)
+    if t0 + 16 * i_b >= T_seq:  # a block past the sequence end (or a slot past the real chunks)
         return
     skip, mid = chunk_form(gok, i_p, SELECT, EXACT_SUMS)
     if skip:
         return
     i_h = i_hv // (HV // H)
     o_i = tl.arange(0, 16)
-    o_r = 16 * r + o_i  # the block's rows in the chunk
+    o_r = 16 * i_b + o_i  # the block's rows in the chunk
     o_d = i_s * BS + tl.arange(0, BS)
     m_d = o_d < K
     rs += i_p * 2 * C
@@ -103,9 +103,9 @@ def kda_bwd_gate_block_kernel(
     # each block above the diagonal holds the transpose of its mirror image below
     b_dkc = tl.zeros([16, BS], tl.float32)
     nb = tl.minimum(NC, (T_seq - t0 + 15) // 16)  # blocks holding tokens
-    if r < nb - 1:
-        b_gn, b_ln = _row_gates(gc, gd, bos, t0, T_seq, i_hv, HV, K, 16 * r + 15, o_d, EXACT_SUMS)
-        for i in range(r + 1, nb):
+    if i_b < nb - 1:
+        b_gn, b_ln = _row_gates(gc, gd, bos, t0, T_seq, i_hv, HV, K, 16 * i_b + 15, o_d, EXACT_SUMS)
+        for i in range(i_b + 1, nb):
             o_t = 16 * i + o_i
             b_e = cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_t, o_d) - b_gn  # G_i - G_n <= 0
             if EXACT_SUMS:
@@ -113,8 +113,8 @@ def kda_bwd_gate_block_kernel(
             b_f = tl.exp2(b_e)
             b_qi = load_tile(q, bos, t0, T_seq, i_h, H, K, o_t, o_d) * tl.load(rs + o_t)[:, None] * b_f
             b_ki = load_tile(k, bos, t0, T_seq, i_h, H, K, o_t, o_d) * tl.load(rs + C + o_t)[:, None] * b_f
-            b_dkc += prod(load_block(s_dA, 16 * r, 16 * i, C, o_i), b_qi, PREC)
-            b_dkc += prod(load_block(s_dL, 16 * r, 16 * i, C, o_i), b_ki, PREC)
+            b_dkc += prod(load_block(s_dA, 16 * i_b, 16 * i, C, o_i), b_qi, PREC)
+            b_dkc += prod(load_block(s_dL, 16 * i_b, 16 * i, C, o_i), b_ki, PREC)
         b_e = b_gn - cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_r, o_d)  # G_n - G_j <= 0
         if EXACT_SUMS:
             b_e += b_ln - cum_gates_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_r, o_d, EXACT_SUMS)
@@ -122,16 +122,16 @@ def kda_bwd_gate_block_kernel(
     # rows of this block against the columns of earlier blocks, anchored at the block's first token
     b_dq = tl.zeros([16, BS], tl.float32)
     b_dkr = tl.zeros([16, BS], tl.float32)
-    if r > 0:
-        b_gn, b_ln = _row_gates(gc, gd, bos, t0, T_seq, i_hv, HV, K, 16 * r, o_d, EXACT_SUMS)
-        for j in range(r):
+    if i_b > 0:
+        b_gn, b_ln = _row_gates(gc, gd, bos, t0, T_seq, i_hv, HV, K, 16 * i_b, o_d, EXACT_SUMS)
+        for j in range(i_b):
             o_j = 16 * j + o_i
             b_e = b_gn - cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_j, o_d)  # G_n - G_j <= 0
             if EXACT_SUMS:
                 b_e += b_ln - cum_gates_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_j, o_d, EXACT_SUMS)
             b_kj = load_tile(k, bos, t0, T_seq, i_h, H, K, o_j, o_d) * tl.load(rs + C + o_j)[:, None] * tl.exp2(b_e)
-            b_dq += prod(load_block(s_dA, 16 * r, 16 * j, C, o_i), b_kj, PREC)
-            b_dkr += prod(load_block(s_dL, 16 * r, 16 * j, C, o_i), b_kj, PREC)
+            b_dq += prod(load_block(s_dA, 16 * i_b, 16 * j, C, o_i), b_kj, PREC)
+            b_dkr += prod(load_block(s_dL, 16 * i_b, 16 * j, C, o_i), b_kj, PREC)
         b_e = cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_r, o_d) - b_gn  # G_i - G_n <= 0
         if EXACT_SUMS:
             b_e += cum_gates_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_r, o_d, EXACT_SUMS) - b_ln
@@ -143,10 +143,10 @@ def kda_bwd_gate_block_kernel(
     b_L = cum_gates_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_r, o_d, EXACT_SUMS)
     b_q = load_tile(q, bos, t0, T_seq, i_h, H, K, o_r, o_d) * tl.load(rs + o_r)[:, None]
     b_k = load_tile(k, bos, t0, T_seq, i_h, H, K, o_r, o_d) * tl.load(rs + C + o_r)[:, None]
-    b_dAd = load_block(s_dA, 16 * r, 16 * r, C, o_i)
-    b_dKd = load_block(s_dL, 16 * r, 16 * r, C, o_i)
+    b_dAd = load_block(s_dA, 16 * i_b, 16 * i_b, C, o_i)
+    b_dKd = load_block(s_dL, 16 * i_b, 16 * i_b, C, o_i)
     if mid:
-        b_gm, b_lm = _row_gates(gc, gd, bos, t0, T_seq, i_hv, HV, K, 16 * r + 8, o_d, EXACT_SUMS)
+        b_gm, b_lm = _row_gates(gc, gd, bos, t0, T_seq, i_hv, HV, K, 16 * i_b + 8, o_d, EXACT_SUMS)
         b_e = b_G - b_gm + (b_L - b_lm)
         b_dq, b_dkr, b_dkc = _diag_terms(b_dq, b_dkr, b_dkc, b_dAd, b_dKd, o_i[:, None] > o_i[None, :],
                                          o_i[:, None] < o_i[None, :], b_q, b_k, tl.exp2(b_e), tl.exp2(-b_e), PREC)
@@ -172,7 +172,7 @@ def kda_bwd_gate_block_kernel(
     b_dG += b_k * (b_dkr - b_dkc)
     b_y = b_k * b_dkd
     store_tile(s_dw, tl.cumsum(b_dG, 0, reverse=True) + exclusive_cumsum(b_y, 0), bos, t0, T_seq, i_hv, HV, K, o_r, o_d)
-    s_tot += (i_p * NC + r) * 2 * K
+    s_tot += (i_p * NC + i_b) * 2 * K
     tl.store(s_tot + o_d, tl.sum(b_dG, 0), mask=m_d)
     tl.store(s_tot + K + o_d, tl.sum(b_y, 0), mask=m_d)
 
@@ -247,8 +247,8 @@ def kda_bwd_gate_kernel(
     s_yb += i_p * NC * K
     s_B += i_p * NC * NC * K
     b_dA_sum = tl.zeros([BS], tl.float32)
-    s = i_s * BS
-    o_d = s + tl.arange(0, BS)
+    o_s = i_s * BS
+    o_d = o_s + tl.arange(0, BS)
     m_d = o_d < K
     # The chunk decay e^G_last (in gl and every kd = k e^(G_last - G_i)) reaches every token:
     # with y_i = kd_i * dkd_i, dg_t = sum_{i >= t} dG'_i + sum_{i < t} y_i + gl * dgam, where dG'

@@ -43,7 +43,7 @@ def kda_bwd_scan_kernel(
         p_dht, m_h = state_ptrs(dht + i_nh * K * V, o_k, o_v, K, V, V_FIRST)
         b_dH += tl.load(p_dht, mask=m_h, other=0.0).to(tl.float32)
 
-    p_uv = (bos * HV + i_hv) * V + o_v[None, :]
+    o_uv = (bos * HV + i_hv) * V + o_v[None, :]
     NT = tl.cdiv(T_seq, C)
     for i_r in range(0, NT):
         i_t = NT - 1 - i_r
@@ -54,11 +54,11 @@ def kda_bwd_scan_kernel(
         b_w, b_qg, b_kd, b_A, b_gl = chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV, K, C,
                                                     DT, EMU)
         m_tv = (o_t < T_seq)[:, None] & m_v[None, :]
-        b_do = as_operand(tl.load(do + p_uv + r_t * (HV * V), mask=m_tv, other=0.0), DT, EMU)  # [C, BV]
+        b_do = as_operand(tl.load(do + o_uv + r_t * (HV * V), mask=m_tv, other=0.0), DT, EMU)  # [C, BV]
 
         b_dHd = as_operand(b_dH, DT, EMU)
         b_dvn = prod(tl.trans(b_A), b_do, PREC) + prod(b_kd, b_dHd, PREC)
-        tl.store(dvn + p_uv + r_t * (HV * V), b_dvn, mask=m_tv)
+        tl.store(dvn + o_uv + r_t * (HV * V), b_dvn, mask=m_tv)
         b_dH = b_dH * b_gl[:, None] + prod(tl.trans(b_qg), b_do, PREC) \
             - prod(tl.trans(b_w), as_operand(b_dvn, DT, EMU), PREC)
 

@@ -84,7 +84,7 @@ def kda_fwd_gates_kernel(
     HEADS_FIRST: tl.constexpr,
     WHOLE: tl.constexpr, EXACT_SUMS: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
 ):
-    """Block b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
+    """Block i_b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
     of its rows (rs). With WHOLE, the whole chunk in one program: gc holds the cumulative sums from
     the chunk start (no ga), the chunk decay gl is stored too and rs is left to the intra kernel
     (kda_fwd_intra_chunk_kernel), which reads q and k anyway. With EXACT_SUMS (WHOLE for unbounded
@@ -95,7 +95,7 @@ def kda_fwd_gates_kernel(
     exact ones (gok != 1), which a second pass sums again exactly: gd is stored for those chunks
     alone, and read there alone. FAST: the softplus form (common.softplus)."""
     NSUB: tl.constexpr = 1 if WHOLE else C // 16
-    b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSUB, HEADS_FIRST)
+    i_b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSUB, HEADS_FIRST)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     i_h = i_hv // (HV // H)
@@ -141,10 +141,10 @@ def kda_fwd_gates_kernel(
                         store_tile(gc, b_G, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
                         store_tile(gd, b_E, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
     else:
-        tb = t0 + 16 * b
+        tb = t0 + 16 * i_b
         o_i = tl.arange(0, 16)
         if tb < T_seq:
             _block_gates(g, A_log, dt_bias, gc, ga, lower_bound, bos, tb, T_seq, i_hv, o_i, HV, K, BK, BS, GATE, HAS_A,
                    HAS_BIAS)
-        tl.store(rs + 16 * b + o_i, _row_rstd(q, bos, tb, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
-        tl.store(rs + C + 16 * b + o_i, _row_rstd(k, bos, tb, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
+        tl.store(rs + 16 * i_b + o_i, _row_rstd(q, bos, tb, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))
+        tl.store(rs + C + 16 * i_b + o_i, _row_rstd(k, bos, tb, T_seq, i_h, H, K, o_i, BK, BS, L2NORM))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from typing import Callable, Iterator, NamedTuple
 
 import torch
@@ -274,7 +273,7 @@ def gate_launch(opts, A_log, dt_bias) -> dict:
 
 def chunk_tables(cu_host: torch.Tensor, C: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(chunk_indices [NT_total, 2] int32: (sequence, chunk in sequence), chunk_offsets [N+1] int32,
-    NT_total) of the host copy of cu_seqlens, kept by its values (options.seqlens_derived)."""
+    NT_total) of the host copy of cu_seqlens, kept by its values (seqlens.seqlens_derived)."""
     def make():
         cu = cu_host.tolist()
         counts = [cdiv(cu[i + 1] - cu[i], C) for i in range(len(cu) - 1)]

@@ -20,10 +20,10 @@ def kda_gate_fwd_kernel(g, A_log, dt_bias, y, lower_bound, R, HV: tl.constexpr, 
     o_r = i_r * BR + tl.arange(0, BR)
     o_k = tl.arange(0, BK)
     m = (o_r < R)[:, None] & (o_k < K)[None, :]
-    p = o_r.to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-    b_g = tl.load(g + p, mask=m, other=0.0).to(tl.float32)
+    o_p = o_r.to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    b_g = tl.load(g + o_p, mask=m, other=0.0).to(tl.float32)
     b_y = activate_gate(b_g, A_log, dt_bias, i_hv, o_k, o_k < K, lower_bound, GATE, HAS_A, HAS_BIAS, K, 0)
-    tl.store(y + p, b_y.to(y.dtype.element_ty), mask=m)
+    tl.store(y + o_p, b_y.to(y.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -36,14 +36,14 @@ def kda_gate_bwd_kernel(g, A_log, dt_bias, dy, dg, dA_part, dbias_part, lower_bo
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m = (o_r < R)[:, None] & m_k[None, :]
-    p = o_r.to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-    b_x = tl.load(g + p, mask=m, other=0.0).to(tl.float32)
-    b_dy = tl.load(dy + p, mask=m, other=0.0).to(tl.float32)
+    o_p = o_r.to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    b_x = tl.load(g + o_p, mask=m, other=0.0).to(tl.float32)
+    b_dy = tl.load(dy + o_p, mask=m, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b_x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
     b_dx, b_dA = gate_backward(b_x, b_dy, A_log, i_hv, lower_bound, GATE, HAS_A)
     b_dx = tl.where(m, b_dx, 0.0)
-    tl.store(dg + p, b_dx.to(dg.dtype.element_ty), mask=m)
+    tl.store(dg + o_p, b_dx.to(dg.dtype.element_ty), mask=m)
     if HAS_A:
         tl.store(dA_part + i_r * HV + i_hv, tl.sum(tl.sum(tl.where(m, b_dA, 0.0), 1), 0))
     if HAS_BIAS:
@@ -60,11 +60,11 @@ def kda_gate_cumsum_kernel(g, A_log, dt_bias, y, cu_seqlens, chunk_indices, lowe
     o_t = i_t * C + tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m = (o_t < T_seq)[:, None] & (o_k < K)[None, :]
-    p = (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-    b_g = tl.load(g + p, mask=m, other=0.0).to(tl.float32)
+    o_p = (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    b_g = tl.load(g + o_p, mask=m, other=0.0).to(tl.float32)
     b_y = activate_gate(b_g, A_log, dt_bias, i_hv, o_k, o_k < K, lower_bound, GATE, HAS_A, HAS_BIAS, K, 0)
     b_y = tl.cumsum(tl.where(m, b_y, 0.0), 0) * scale
-    tl.store(y + p, b_y.to(y.dtype.element_ty), mask=m)
+    tl.store(y + o_p, b_y.to(y.dtype.element_ty), mask=m)
 
 
 class _GateFunction(torch.autograd.Function):

@@ -86,9 +86,9 @@ def _middle_anchor(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: 
                    EXACT_SUMS: tl.constexpr):
     """The middle anchor's factors e^(G - G_m) and e^(G_m - G) [C, BS], m the middle token (8) of each
     row's 16-token block: up to 8 gates (|exponent| <= 58 for bounded gates; for others at most the
-    span that chunk_form's gok bit 0 admits, chunk_gates.DIAG_SPAN). EXACT_SUMS: exact sums, as tiles.anchored_level's. The
-    anchors' gates load as [C // 16, BS] and spread over their blocks (per_block), not gathered per
-    row (fewer loads)."""
+    span that chunk_form's gok bit 0 admits, chunk_gates.DIAG_SPAN). EXACT_SUMS: exact sums, as
+    tiles.anchored_level's. The anchors' gates load as [C // 16, BS] and spread over their blocks
+    (per_block), not gathered per row (fewer loads)."""
     C: tl.constexpr = o_c.shape[0]
     o_m = 16 * tl.arange(0, C // 16) + 8
     b_e = b_G - per_block(cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_m, o_d), C)

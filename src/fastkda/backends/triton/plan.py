@@ -106,6 +106,7 @@ class Tuning:
     exact_pairs: bool | None = None  # block path's within-block pair sums exactly (None: float32 only)
     whole_backward: bool | None = None  # whole-chunk backward for the gates it serves (None: bfloat16)
     bwd_scan_bv: int = 64
+    bwd_scan_bv_wide_keys: int = 32  # K > 128: fewer registers per program
     bwd_scan_bv_crowded: int | None = 128
     bwd_scan_warps: int = 8
     bwd_scan_stages: int = 3
@@ -119,6 +120,7 @@ class Tuning:
     bwd_gate_block_slice: int = 32
     bwd_dg_slice: int = 64
     bwd_qk_rows: int = 16
+    bwd_qk: Launch = Launch(4, None)
     # decoding and the elementwise gate kernels
     # (value columns, warps, stages, programs per SM) of the decode kernel, by pool dtype and K
     decode_f32: DecodeLaunch = DecodeLaunch(64, 2, 1, 32)  # float32 pools: 256-byte row segments
@@ -352,6 +354,7 @@ class BackwardPlan:
     diag_prec: str
     gate: Launch
     qk_rows: int
+    qk: Launch  # the l2-norm backward and the sum over a key head's value heads
 
 
 @dataclass(frozen=True)
@@ -409,7 +412,8 @@ class ChunkPlan:
                      f"dg {b.dg_bs} columns {_fmt(b.dg)})" if b.whole else
                      f"block gate gradients ({'exact' if b.exact_pairs else 'row/column'} pair sums, "
                      f"diagonal {b.diag_prec}, {_fmt(b.gate)})")
-            lines.append(f"  backward chunk: dv {_fmt(b.v)}, dk {_fmt(b.k)}; {gates}")
+            lines.append(f"  backward chunk: dv {_fmt(b.v)}, dk {_fmt(b.k)}; {gates}; "
+                         f"dq, dk per key head {b.qk_rows} rows {_fmt(b.qk)}")
         return "\n".join(lines)
 
 
@@ -577,7 +581,7 @@ def _backward(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, dev: Device,
               dot: Dot) -> BackwardPlan:
     s = opts.shape
     BK, BV = pow2(s.K), pow2(s.V)
-    bv = min(BV, tuning.bwd_scan_bv if BK <= 128 else 32)  # wider keys: fewer registers per program
+    bv = min(BV, tuning.bwd_scan_bv if BK <= 128 else tuning.bwd_scan_bv_wide_keys)
     if BK <= 128 and tuning.bwd_scan_bv_crowded and cdiv(s.V, bv) * s.N * s.HV > dev.sm_count:
         bv = min(BV, tuning.bwd_scan_bv_crowded)
     exact = tuning.exact_pairs if tuning.exact_pairs is not None else dtype == torch.float32
@@ -590,7 +594,7 @@ def _backward(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, dev: Device,
         gate_block_bs=min(tuning.bwd_gate_block_slice, BK),
         dg_bs=min(tuning.bwd_dg_slice, BK), dg=_wide(tuning.bwd_dg, BK, BV),
         exact_pairs=exact, diag_prec=dot.prec if exact else "tf32x3", gate=_wide(tuning.bwd_gate, BK, BV),
-        qk_rows=tuning.bwd_qk_rows)
+        qk_rows=tuning.bwd_qk_rows, qk=tuning.bwd_qk)
 
 
 @functools.lru_cache(maxsize=256)

@@ -64,9 +64,9 @@ def pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS, BC: t
     o_n = n0 + tl.arange(0, BN)
     m_n = o_n < N
     if IS_VARLEN:
-        L = tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0) - tl.load(cu_seqlens + o_n, mask=m_n, other=0)
+        b_len = tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0) - tl.load(cu_seqlens + o_n, mask=m_n, other=0)
     else:
-        L = tl.zeros([BN], tl.int32) + T
+        b_len = tl.zeros([BN], tl.int32) + T
     m_e = m_n[:, None] & (o_c < COLS)[None, :]
     b_idx = tl.load(idx + o_n.to(tl.int64)[:, None] * stride_idx + o_c[None, :], mask=m_e, other=-1).to(tl.int64)
     m_touch = m_e & (b_idx >= 0) & (b_idx < num_slots)
@@ -74,12 +74,12 @@ def pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS, BC: t
         i_a = tl.minimum(tl.maximum(tl.load(acc + o_n, mask=m_n, other=1).to(tl.int64), 1), COLS) - 1
         b_start = tl.sum(tl.where(o_c[None, :] == i_a[:, None], b_idx, 0), 1)
         m_live = (b_start >= 0) & (b_start < num_slots)
-        m_touch = m_touch & m_live[:, None] & ((o_c[None, :] == i_a[:, None]) | (o_c[None, :] < L[:, None]))
-    return o_n, m_n, L, b_idx, m_touch
+        m_touch = m_touch & m_live[:, None] & ((o_c[None, :] == i_a[:, None]) | (o_c[None, :] < b_len[:, None]))
+    return o_n, m_n, b_len, b_idx, m_touch
 
 
 @triton.jit
-def rows_first_error(acc, o_n, m_n, L, b_idx, num_slots, COLS, SPEC: tl.constexpr):
+def rows_first_error(acc, o_n, m_n, b_len, b_idx, num_slots, COLS, SPEC: tl.constexpr):
     """[BN] per sequence of a pool_rows block: its error code (kind + ERR_BASE * sequence) for a
     slot outside [-1, num_slots), an accepted-token count outside [1, COLS] or more tokens than
     COLS; _NONE for a sequence without one."""
@@ -88,7 +88,7 @@ def rows_first_error(acc, o_n, m_n, L, b_idx, num_slots, COLS, SPEC: tl.constexp
     if SPEC:
         b_a = tl.load(acc + o_n, mask=m_n, other=1).to(tl.int64)
         b_kind = tl.where((b_a < 1) | (b_a > COLS), _ERR_ACCEPTED, b_kind)
-        b_kind = tl.where(L > COLS, _ERR_TOKENS, b_kind)
+        b_kind = tl.where(b_len > COLS, _ERR_TOKENS, b_kind)
     return tl.where(m_n & (b_kind != 0), b_kind + _ERR_BASE * o_n, _NONE)
 
 
@@ -111,17 +111,17 @@ def kda_check_indices_kernel(idx, acc, cu_seqlens, scratch, sticky, N, T, num_sl
             tl.atomic_xchg(scratch + 1 + o_s, tl.zeros([BN * BC], tl.int32), mask=o_s < num_slots)
         tl.debug_barrier()
     for n0 in range(0, N, BN):
-        o_n, m_n, L, b_idx, m_touch = pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS,
-                                                BC, BN, SPEC, IS_VARLEN)
-        b_first = tl.minimum(b_first, rows_first_error(acc, o_n, m_n, L, b_idx, num_slots, COLS, SPEC))
+        o_n, m_n, b_len, b_idx, m_touch = pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS,
+                                                    BC, BN, SPEC, IS_VARLEN)
+        b_first = tl.minimum(b_first, rows_first_error(acc, o_n, m_n, b_len, b_idx, num_slots, COLS, SPEC))
         if UNIQUE:
             b_who = tl.zeros([BN, BC], tl.int32) + (o_n + 1)[:, None]
             tl.atomic_max(scratch + 1 + tl.where(m_touch, b_idx, 0), b_who, mask=m_touch)
     if UNIQUE:
         tl.debug_barrier()  # every claim is in before any is read back
         for n0 in range(0, N, BN):
-            o_n, m_n, L, b_idx, m_touch = pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS,
-                                                    BC, BN, SPEC, IS_VARLEN)
+            o_n, m_n, b_len, b_idx, m_touch = pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx,
+                                                        COLS, BC, BN, SPEC, IS_VARLEN)
             # an atomic read: the claims of every thread of the program, not a cached line
             b_owner = tl.atomic_max(scratch + 1 + tl.where(m_touch, b_idx, 0), tl.zeros([BN, BC], tl.int32),
                                     mask=m_touch)
@@ -140,9 +140,9 @@ def call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC: tl.c
     """The code kda_check_indices_kernel gives a call of at most BN sequences, made by one program
     from registers (no scratch, no atomics): the decode kernel's own check on small calls. A
     shared slot is found by comparing every touched entry with every other ([BN * BC]^2)."""
-    o_n, m_n, L, b_idx, m_touch = pool_rows(idx, acc, cu_seqlens, 0, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC,
-                                            IS_VARLEN)
-    b_first = rows_first_error(acc, o_n, m_n, L, b_idx, num_slots, COLS, SPEC)
+    o_n, m_n, b_len, b_idx, m_touch = pool_rows(idx, acc, cu_seqlens, 0, N, T, num_slots, stride_idx, COLS, BC, BN,
+                                                SPEC, IS_VARLEN)
+    b_first = rows_first_error(acc, o_n, m_n, b_len, b_idx, num_slots, COLS, SPEC)
     if UNIQUE:
         E: tl.constexpr = BN * BC
         b_s = tl.reshape(tl.where(m_touch, b_idx, -1), [E])  # -1: an entry that touches nothing
@@ -219,7 +219,7 @@ def spec_store(h0, idx, b_S, i_n, t, m_write, num_slots, stride_idx, COLS, strid
 
 @triton.jit
 def decode_tile(
-    w, q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, scratch, call_ok,
+    i_tile, q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, scratch, call_ok,
     scale, lower_bound, N, T, num_slots, stride_idx, COLS, stride_hs, stride_hh, stride_hk, stride_hv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, SIGMOID: tl.constexpr,
@@ -228,12 +228,12 @@ def decode_tile(
     CHECK: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr, ONE_TOKEN: tl.constexpr,
     CHECK_HERE: tl.constexpr,
 ):
-    """Tile w (value block, sequence, value head) of a decode call: every token of the sequence on
+    """Tile i_tile (value block, sequence, value head) of a decode call: every token of the sequence on
     its [BK, BV] state, the outputs and the states written where the call says. call_ok: the
     call's check passed; CHECK_HERE: the tile reads or makes the call's check itself (then the
     call's code is returned, else 0)."""
     NV: tl.constexpr = (V + BV - 1) // BV
-    i_v, i_nh = tl.cast(w % NV, tl.int32), w // NV
+    i_v, i_nh = tl.cast(i_tile % NV, tl.int32), i_tile // NV
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     o_k = tl.arange(0, BK)
@@ -335,9 +335,9 @@ def kda_recurrent_kernel(
     else:
         call_ok, code = call_check(idx, acc, cu_seqlens, scratch, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC,
                                    IS_VARLEN, INPLACE, CHECK, PDL)
-        for w in tl.range(tl.program_id(0).to(tl.int64), n_tiles, NPROG, num_stages=STAGES):
+        for i_tile in tl.range(tl.program_id(0).to(tl.int64), n_tiles, NPROG, num_stages=STAGES):
             decode_tile(
-                w, q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, scratch, call_ok, scale,
+                i_tile, q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, scratch, call_ok, scale,
                 lower_bound, N, T, num_slots, stride_idx, COLS, stride_hs, stride_hh, stride_hk, stride_hv, H, HV, K,
                 V, BK, BV, GATE, HAS_A, HAS_BIAS, L2NORM, SIGMOID, BETA_SCALE, USE_H0, STORE_HT, POOL, SPEC, INPLACE,
                 V_FIRST, IS_VARLEN, H_TILE, CHECK, BC, BN, PDL, ONE_TOKEN, False)
