@@ -102,7 +102,7 @@ def segmented_forward(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs) -> tuple[
     flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (x.q, x.k, x.v, x.g, x.beta)]
     v_ext = torch.cat([flat[2], flat[2].new_zeros(1, B * T, HV, K)], -1)
     opts_s = dataclasses.replace(opts, shape=KDAShape(1, B * T, s.H, HV, K, V + K, len(cuts) - 1),
-                                 has_initial_state=True, output_final_state=True, state_v_first=False, varlen=True)
+                                 output_final_state=True, state_v_first=False)
     x_s = KDAInputs(flat[0], flat[1], v_ext, flat[3], flat[4], x.A_log, x.dt_bias, h0,
                     cu_host.to(dev, torch.int32), cu_host)
     # the short path (its pairs those the cut meant, give or take uneven segments), never cut again
