@@ -84,7 +84,7 @@ SAFE = dict(safe_gate=True, lower_bound=-5.0, gate=GateMode.LOWER_BOUND)
     (1, 32768, 16, torch.bfloat16, SAFE, True, None, 1),  # training
     (1, 32768, 16, torch.float16, SAFE, False, None, 1),  # float16 forms u in stage 1: V + K in one tile
     (1, 32768, 16, torch.bfloat16, dict(), False, None, 1),  # pre-gated unbounded gates: no short path
-    (1, 32768, 16, torch.bfloat16, dict(SAFE, graph=True, varlen=True), False, None, 1),
+    (1, 32768, 16, torch.bfloat16, dict(SAFE, graph=True), False, None, 1),  # use_graph: lengths unseen
     (1, 32768, 64, torch.bfloat16, SAFE, False, None, 1)])  # pairs enough: the short path as it is
 def test_segment_count(B, T, H, dtype, kw, train, pairs, segments):
     """Inference calls that would take the short path but for their pairs are cut into the power
