@@ -604,9 +604,7 @@ def gate_options(
     lower_bound = _lower_bound(lower_bound)
     mode = _gate_params(True, A_log, dt_bias, lower_bound, H, K, g)
     cu_host = None
-    if need_time_axis and chunk_size is None:
-        raise ValueError("`chunk_size` must be a positive power of two, got None")
-    if chunk_size is not None:
+    if chunk_size is not None or need_time_axis:  # kda_gate_chunk_cumsum: a chunk size, None included
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
             raise ValueError(f"`chunk_size` must be a positive power of two, got {chunk_size!r}")
         if scale is not None:
