@@ -158,7 +158,7 @@ def store_block(x, b_x, row, col, C: tl.constexpr, o_i):
 
 
 @triton.jit
-def inv_unit_lower(b_L, o_i, PREC: tl.constexpr = "ieee"):
+def inv_unit_lower(b_L, o_i, PREC: tl.constexpr):
     """(I + L)^-1 for a strictly lower triangular 16x16 L: L^16 = 0, so with N = -L it is
     (I + N)(I + N^2)(I + N^4)(I + N^8); six small products (at prod's PREC) instead of a serial
     substitution."""
