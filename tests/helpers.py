@@ -131,11 +131,10 @@ def forced_gates(x: dict, C: int, layout) -> set:
     the levels) or "edge" (with a lower bound of -8: the first 8 tokens at the bound, the rest near 0,
     a middle-anchor exponent of 11.5 * 8 = 92 <= 96 in base 2 and differences of order one next to
     sums near 92; the middle anchor) or "near" (with a lower bound of -8: tokens 4..8 at the bound,
-    the rest near 0: a middle-anchor exponent of 11.5 * 5 = 57.7, just within the short path's 2^60
-    for 16-token chunks; the middle anchor) or "pivots" (tokens 0 and 8 huge, the rest near 0: on
-    16-token chunks the short path's halves' anchors, which span neither). Returns the forms of the
-    chunks of at least 16 tokens (1: middle anchor, 0: levels; as the chunk-wide path's 96 decides
-    them; none for "pivots")."""
+    the rest near 0: a middle-anchor exponent of 11.5 * 5 = 57.7; the middle anchor) or "pivots"
+    (tokens 0 and 8 huge, the rest near 0: on 16-token chunks the short path's halves). Returns the
+    forms of the chunks of at least 16 tokens (1: middle anchor, 0: levels; as the chunk-wide path's
+    96 decides them; none for "pivots")."""
     g, T = x["g"], x["g"].shape[1]
     forms = set()
     with torch.no_grad():
@@ -164,11 +163,11 @@ def forced_gates(x: dict, C: int, layout) -> set:
     return forms
 
 
-def short_forms(x: dict, span: float = 60.0) -> set:
-    """The forms the short kernel's 16-token chunks of unbounded gates take ("anchor", "halves",
-    "levels"), decided from the activated gates in float64 as the kernel decides them in float32
-    (short.py; chunks per sequence, every value head): a check that a test's layout reaches the
-    forms it means to, away from the bounds where the two could differ."""
+def short_forms(x: dict, span: float = 96.0) -> set:
+    """The forms the short kernel's 16-token chunks of unbounded gates take ("anchor" or "halves"),
+    decided from the activated gates in float64 as the kernel decides them in float32 (short.py;
+    chunks per sequence, every value head): a check that a test's layout reaches the forms it means
+    to, away from the bound where the two could differ."""
     from fastkda.naive import activate
 
     opts = {n: x[n] for n in ("use_gate_in_kernel", "A_log", "dt_bias", "lower_bound") if n in x}
@@ -185,8 +184,6 @@ def short_forms(x: dict, span: float = 60.0) -> set:
             c = c.clamp(min=-16384.0)
             J = torch.where((i == 0) | (i == 8), 0.0, c).cumsum(0)
             m = J - J[8] - torch.where(i < 8, c[8], 0.0)
-            n = J - torch.where(i < 8, J[4], J[12])
             for h in range(c.shape[1]):
-                forms.add("anchor" if m[:, h].abs().max() <= span else "halves" if n[:, h].abs().max() <= span
-                          else "levels")
+                forms.add("anchor" if m[:, h].abs().max() <= span else "halves")
     return forms

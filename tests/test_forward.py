@@ -374,14 +374,14 @@ def test_short_path_counts_the_longest_sequence(lens, short, rng, tune, launch_l
     check("o", o, o_ref, tol_for(case.dtype, "triton"))
 
 
-SHORT_ANY_GATE = {  # (case, raw gates forced 16-token chunk by chunk, grown on the GPU tier): "small" and
-    # "near" (an exponent of 57.7, just within 2^60) take the middle anchor; "edge" (at a bound of -8: 92
-    # from the middle token, 46 from the first half's), "pivots" (tokens 0 and 8 huge) and "huge" at a
-    # bound of -8 (|J| up to 162) the halves' anchors; "huge" and "front" of softplus gates the
-    # half-segment levels; the safe gate's chunks always the middle anchor
+SHORT_ANY_GATE = {  # (case, raw gates forced 16-token chunk by chunk, grown on the GPU tier): "small",
+    # and at a bound of -12 nats (-17.3 in base 2) "near" (an exponent of 86.6, just within 2^96), take
+    # the middle anchor; at that bound "edge" (138 from the middle token) and "huge", and "pivots" (tokens
+    # 0 and 8 huge), "huge" and "front" of softplus gates the halves, on clamped gates; the safe gate's
+    # chunks always the middle anchor
     "softplus_mixed": (Case(T=112, gate="softplus", A_log_range=(0.0, 2.0)), ("small", "huge", "front", "pivots"),
                        True),
-    "lowerbound_edge_near": (Case(T=96, gate="lowerbound", lower_bound=-8.0, A_log_range=(0.0, 1.0)),
+    "lowerbound_edge_near": (Case(T=96, gate="lowerbound", lower_bound=-12.0, A_log_range=(0.0, 1.0)),
                              ("edge", "near", "small", "huge"), True),
     "softplus_bf16_forms": (Case(T=64, gate="softplus", dtype=torch.bfloat16, l2norm=True, A_log_range=(0.0, 2.0)),
                             ("pivots", "small", "huge", "front"), True),
@@ -392,23 +392,23 @@ SHORT_ANY_GATE = {  # (case, raw gates forced 16-token chunk by chunk, grown on 
     # the safe gate at its bound of -5 nats ("huge": a whole chunk, "edge": its first half): e^G down to
     # 2^-115, built from the middle anchor's factors near 2^58
     "safe_at_bound": (Case(T=88, gate="safe", A_log_range=(0.0, 1.0)), ("huge", "edge", "small"), True),
-    # kept small on the GPU tier too: a partial last chunk and K = 48 on the levels
+    # kept small on the GPU tier too: a partial last chunk and K = 48 on the halves
     "softplus_partial_k48": (Case(T=70, K=48, V=40, gate="softplus", A_log_range=(2.0, 4.0), state_v_first=True),
                              ("huge", "front"), False),
 }
 
 
-SHORT_FORMS = {"softplus_mixed": {"anchor", "halves", "levels"}, "lowerbound_edge_near": {"anchor", "halves"},
-               "softplus_bf16_varlen_gva": {"anchor", "levels"}, "softplus_fp16_k48": {"anchor", "levels"},
-               "safe_at_bound": {"anchor"}, "softplus_partial_k48": {"levels"},
-               "softplus_bf16_forms": {"anchor", "halves", "levels"}}
+SHORT_FORMS = {"softplus_mixed": {"anchor", "halves"}, "lowerbound_edge_near": {"anchor", "halves"},
+               "softplus_bf16_varlen_gva": {"anchor", "halves"}, "softplus_fp16_k48": {"anchor", "halves"},
+               "safe_at_bound": {"anchor"}, "softplus_partial_k48": {"halves"},
+               "softplus_bf16_forms": {"anchor", "halves"}}
 
 
 @pytest.mark.parametrize("axis", list(SHORT_ANY_GATE))
 def test_short_path_layouts_take_their_forms(axis, rng):
     """The layouts of test_short_path_any_gate reach the short kernel's forms they mean to, on both
     tiers (helpers.short_forms), whatever the random gates of the other chunks add (a varlen case's
-    later sequences miss the layout's chunk grid); bfloat16 and float32 inputs each reach all three."""
+    later sequences miss the layout's chunk grid); bfloat16 and float32 inputs each reach both."""
     base, layout, grown = SHORT_ANY_GATE[axis]
     x = make_inputs(grow(base, GPU) if grown else base, device=DEVICE, generator=rng)
     forced_gates(x, 16, layout)
@@ -420,8 +420,8 @@ def test_short_path_layouts_take_their_forms(axis, rng):
 @pytest.mark.parametrize("axis", list(SHORT_ANY_GATE))
 def test_short_path_any_gate(axis, heads_first, rng, tune, launch_log):
     """Gates forced chunk by chunk on the short path. Unbounded gates: each 16-token chunk takes the
-    middle anchor or, where its factors would pass 2^60, its halves' anchors or, where theirs would
-    too, the half-segment levels; float32 inputs at float32's precision (1e-6). Safe gates at
+    middle anchor or, where its factors would pass 2^96, its halves' anchors on gates clamped at
+    -24 (base 2); float32 inputs at float32's precision (1e-6). Safe gates at
     their bound (the middle anchor's extremes) within 4e-6: e^G and e^(G_15 - G) are products of two
     exponentials, each the GPU's ex2.approx (2 ulp) there (1.7e-6 measured on the H200; 1.2e-7 in the
     interpreter). ``heads_first``: the order of the programs (Tuning.heads_first)."""
@@ -446,7 +446,7 @@ def test_short_path_any_gate(axis, heads_first, rng, tune, launch_log):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_short_path_infinite_gates(dtype, rng, tune):
     """Softplus gates of -inf (raw input +inf) on the short path, in chunks of each form: token 0
-    (the middle anchor), tokens 0 and 8 (the halves), tokens 0 and 5 (the levels), the rest near 0.
+    (the middle anchor), tokens 0 and 8, tokens 0 and 5 (the halves), the rest near 0.
     Every factor spanning such a gate is 0, as for a gate far below float32's range: the outputs
     equal those of raw inputs of 1e4 (gates below -2^14 in base 2) and the reference's on them."""
     tune(short_min_pairs=1)
@@ -459,7 +459,7 @@ def test_short_path_infinite_gates(dtype, rng, tune):
         for t in tokens:
             x["g"][:, 16 * c + t] = float("inf")
             huge["g"][:, 16 * c + t] = 1e4
-    assert short_forms(huge) == {"anchor", "halves", "levels"}
+    assert short_forms(huge) == {"anchor", "halves"}
     with use_backend("triton"), torch.no_grad():
         o, s = chunk_kda(**x, chunk_size=case.chunk_size)
         o_h, s_h = chunk_kda(**huge, chunk_size=case.chunk_size)

@@ -7,11 +7,10 @@ what the state scan (scan.py, run with C = 16) reads:
     Aqk (j <= i, times scale) [16, 16]  gl = e^(G_15)          [K] (float32)
 
 with G the cumulative gates from the chunk start (base 2) and X = (I + Diag(beta) Akk)^-1. Unbounded
-gates take, chunk by chunk, the first form whose factors stay within 2^SPAN: the middle anchor, the
-halves' anchors, or the half-segment levels (any gate; every exponent a sum of the gates it spans).
-The anchors' exponents, e^(G_15 - G)'s with them, are differences of one cumulative sum that leaves
-out the gates of tokens 0 (in no factor) and 8 (added apart where it belongs, to exponents of its
-own sign): docs/math.md section 3.
+gates take the middle anchor where its factors stay within 2^SPAN, else the halves' anchors on gates
+clamped at -CLAMP (any gate: a factor the clamp changes is below 2^-CLAMP, exact or not). The
+anchors' exponents are differences of one cumulative sum that leaves out the gates of tokens 0 (in
+no factor) and 8 (added apart where it belongs, to exponents of its own sign): docs/math.md section 3.
 """
 
 from __future__ import annotations
@@ -26,12 +25,13 @@ from ...alloc import new_empty
 from ...options import KDAInputs, KDAOptions
 from .common import activate_gate, chunk_grid, chunk_program, gate_launch, launch
 from .plan import ChunkPlan
-from .tiles import inv_unit_lower, level_products, load_beta, load_tile, prod, rnorm, row_of, store_tile
+from .tiles import inv_unit_lower, load_beta, load_tile, prod, rnorm, row_of, store_tile
 
-# unbounded gates: the middle anchor while every factor stays within 2^SPAN (a product of two
-# factors within 2^120: finite in float32), else the halves' anchors while theirs do, else the
-# half-segment levels
-SPAN = tl.constexpr(60.0)
+# unbounded gates: the middle anchor while every factor stays within 2^SPAN (float32 overflows at
+# 2^128: the operands keep a margin of 2^32), else the halves' anchors on gates clamped at -CLAMP
+# (base 2), whose factors stay within 2^(4 CLAMP) = 2^SPAN
+SPAN = tl.constexpr(96.0)
+CLAMP = tl.constexpr(24.0)
 
 
 @triton.jit
@@ -75,8 +75,8 @@ def kda_fwd_short_kernel(
     e^(G_i - G_8) on rows, e^(G_8 - G_j) on columns), their exponents differences of cumulative
     gates: BOUNDED (gates >= -5 nats) keeps every factor within 2^58. Unbounded gates: a chunk whose
     factors would pass 2^SPAN takes its halves' anchors (tokens 4 and 12, the second half's rows
-    against the first half's columns at token 7 with factors <= 1), and where theirs would too the
-    four half-segment levels (tiles.level_products), whose factors are <= 1. Unbounded gates below
+    against the first half's columns at token 7 with factors <= 1) on gates clamped at -CLAMP,
+    and e^(G_15 - G) from sums of the unclamped gates after each token. Unbounded gates below
     -2^14 (base 2; -inf too) count as -2^14, which changes no factor; a NaN gate reaches its
     feature's chunk decay, hence the state. PREC: the Aqk, Akk, w and u products; INV_PREC: the
     inverse's.
@@ -113,7 +113,7 @@ def kda_fwd_short_kernel(
         b_ed = b_ri * tl.exp2(b_G15 - b_G8)[None, :]  # e^(G_15 - G)
     else:
         # gates below -2^14 (-inf too) as -2^14: every factor spanning one is 0 either way, and the
-        # levels' row shift, a product, meets no infinity (0 * inf); NaN stays NaN
+        # row shift, a product, meets no infinity (0 * inf); NaN stays NaN
         b_g = tl.where(b_g < -16384.0, -16384.0, b_g)
         # J: the gates 1..i but token 8's, summed. g_0 enters no factor (e^G's and e^(G_15)'s exponents
         # only), g_8 only exponents whose other terms share its sign: added, never cancelled
@@ -126,20 +126,20 @@ def kda_fwd_short_kernel(
         b_g8hi = tl.where(m_lo, 0.0, b_g8[None, :])  # and on the second half's
         b_m = b_J - row_of(b_J, o_i, 8)[None, :] - b_g8lo  # G - G_8; a gate beyond SPAN shows on some row
         if tl.max(tl.abs(b_m)) <= SPAN:
-            # |J| <= 2 SPAN (the bounded gate's |G| <= 116): its differences are off by about 1e-5 at most
+            # |J| <= 2 SPAN: its differences are off by about 2e-5 at most
             b_Aqk, b_Akk = _middle_anchor(b_q, b_k, tl.exp2(b_m), tl.exp2(-b_m), PREC)
             b_ed = tl.exp2(b_J15[None, :] - b_J + b_g8lo)  # e^(G_15 - G)
         else:
-            b_n = b_J - tl.where(m_lo, row_of(b_J, o_i, 4)[None, :], row_of(b_J, o_i, 12)[None, :])  # G - G_4, G - G_12
-            if tl.max(tl.abs(b_n)) <= SPAN:
-                # each half anchored at its middle token, the second half's rows against the first half's
-                # columns at token 7 (factors <= 1); |J| <= 4 SPAN: its differences off by twice as much
-                b_Aqk, b_Akk = _halves(b_q, b_k, b_n, b_J - row_of(b_J, o_i, 7)[None, :], b_g8, o_i, PREC)
-                b_ed = tl.exp2(b_J15[None, :] - b_J + b_g8lo)
-            else:
-                b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
-                b_Aqk, b_Akk = level_products(b_q, b_k, b_g, b_gn, o_i, PREC)
-                b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G: the sum of the gates after each token
+            # each half anchored at its middle token, the second half's rows against the first half's
+            # columns at token 7 (factors <= 1), on gates clamped at -CLAMP: a pair whose span holds a
+            # clamped gate has both its factor and the exact one below 2^-CLAMP (an error of at most
+            # 2^-CLAMP |q_d k_d|); the clamped sums are at most 15 CLAMP: differences off by about 3e-5
+            b_gc8 = tl.maximum(b_g8, -CLAMP)
+            b_Jc = tl.cumsum(tl.where(((o_i == 0) | (o_i == 8))[:, None], 0.0, tl.maximum(b_g, -CLAMP)), 0)
+            b_n = b_Jc - tl.where(m_lo, row_of(b_Jc, o_i, 4)[None, :], row_of(b_Jc, o_i, 12)[None, :])  # G - G_4, G - G_12
+            b_Aqk, b_Akk = _halves(b_q, b_k, b_n, b_Jc - row_of(b_Jc, o_i, 7)[None, :], b_gc8, o_i, PREC)
+            b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
+            b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G: the sum of the gates after each token
         b_e = tl.exp2(b_J + b_g0[None, :] + b_g8hi)
         b_G15 = b_J15 + b_g0 + b_g8
     b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk * scale, 0.0)
