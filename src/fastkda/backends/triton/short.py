@@ -133,16 +133,23 @@ def kda_fwd_short_kernel(
             # each half anchored at its middle token, the second half's rows against the first half's
             # columns at token 7 (factors <= 1), on gates clamped at -CLAMP: a pair whose span holds a
             # clamped gate has both its factor and the exact one below 2^-CLAMP (an error of at most
-            # 2^-CLAMP |q_d k_d|); the clamped sums are at most 15 CLAMP: differences off by about 3e-5
-            b_gc8 = tl.maximum(b_g8, -CLAMP)
-            b_Jc = tl.cumsum(tl.where(((o_i == 0) | (o_i == 8))[:, None], 0.0, tl.maximum(b_g, -CLAMP)), 0)
+            # 2^-CLAMP |q_d k_d|)
+            b_gc = tl.maximum(b_g, -CLAMP)
+            # clamped gates summed within each half: 1..i (i < 8), 9..i (i >= 8); at most 7 CLAMP
+            b_Jc = tl.cumsum(tl.where(((o_i == 0) | (o_i == 8))[:, None], 0.0, b_gc), 0)
+            b_Jc = tl.where(m_lo, b_Jc, tl.cumsum(tl.where(o_i[:, None] > 8, b_gc, 0.0), 0))
             b_n = b_Jc - tl.where(m_lo, row_of(b_Jc, o_i, 4)[None, :], row_of(b_Jc, o_i, 12)[None, :])  # G - G_4, G - G_12
-            b_Aqk, b_Akk = _halves(b_q, b_k, b_n, b_Jc - row_of(b_Jc, o_i, 7)[None, :], b_gc8, o_i, PREC)
+            # rows >= 8: G - G_7 - g_8; columns < 8: G - G_7
+            b_x = tl.where(m_lo, b_Jc - row_of(b_Jc, o_i, 7)[None, :], b_Jc)
+            b_Aqk, b_Akk = _halves(b_q, b_k, b_n, b_x, row_of(b_gc, o_i, 8), o_i, PREC)
             b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
             b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G: the sum of the gates after each token
         b_e = tl.exp2(b_J + b_g0[None, :] + b_g8hi)
         b_G15 = b_J15 + b_g0 + b_g8
-    b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk * scale, 0.0)
+    # the diagonal (factor 1) from float32 operands: the products' rounded ones would make it, where
+    # decays are strong the larger part of Aqk, as coarse as the operands
+    b_Aqk = tl.where(o_i[:, None] > o_i[None, :], b_Aqk, 0.0)
+    b_Aqk = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], b_Aqk) * scale
     b_X = inv_unit_lower(tl.where(o_i[:, None] > o_i[None, :], b_Akk * b_b[:, None], 0.0), o_i, INV_PREC)
 
     store_tile(Aqk, b_Aqk, bos, t0, T_seq, i_hv, HV, 16, o_i, o_i)
