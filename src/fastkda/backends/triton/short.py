@@ -144,12 +144,12 @@ def kda_fwd_short_kernel(
             b_Aqk, b_Akk = _halves(b_q, b_k, b_n, b_x, row_of(b_gc, o_i, 8), o_i, PREC)
             b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
             b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G: the sum of the gates after each token
+        # Aqk's diagonal (factor 1) from float32 operands: where decays are strong it is the larger part
+        # of Aqk, which the products' rounded operands would make as coarse as they are
+        b_Aqk = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], b_Aqk)
         b_e = tl.exp2(b_J + b_g0[None, :] + b_g8hi)
         b_G15 = b_J15 + b_g0 + b_g8
-    # the diagonal (factor 1) from float32 operands: the products' rounded ones would make it, where
-    # decays are strong the larger part of Aqk, as coarse as the operands
-    b_Aqk = tl.where(o_i[:, None] > o_i[None, :], b_Aqk, 0.0)
-    b_Aqk = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], b_Aqk) * scale
+    b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk * scale, 0.0)
     b_X = inv_unit_lower(tl.where(o_i[:, None] > o_i[None, :], b_Akk * b_b[:, None], 0.0), o_i, INV_PREC)
 
     store_tile(Aqk, b_Aqk, bos, t0, T_seq, i_hv, HV, 16, o_i, o_i)
