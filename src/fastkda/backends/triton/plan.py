@@ -297,7 +297,7 @@ class Stage1Plan:
 class ShortPlan:
     """Forward stage 1 on 16-token chunks in one kernel (short.py), for inference."""
 
-    bounded: bool  # safe_gate: the middle anchor on every chunk (no span test, no levels)
+    bounded: bool  # safe_gate: the middle anchor on every chunk (no span test)
     prec: str  # the Aqk, Akk products and w = X (beta k e^G) (and u where stage 1 forms it)
     inv_prec: str  # the products of the 16 x 16 inverse (tiles.inv_unit_lower)
     form_u: bool  # X stored (float32), u formed in the scan
@@ -382,7 +382,7 @@ class ChunkPlan:
             sp, sc = self.short, self.forward
             lines = [f"chunk plan: inference, 16-token chunks, products {self.dot.prec}"]
             lines.append(f"  stage 1: short path, 16-token chunks in one kernel {_fmt(sp.launch)}; middle anchor"
-                         + ("" if sp.bounded else " (half-segment levels where the gates span more)")
+                         + ("" if sp.bounded else " (the halves on clamped gates where the gates span more)")
                          + f"; products {sp.prec}, inverse {sp.inv_prec}; "
                          + ("X float32 for the scan" if sp.form_u else "u in stage 1"))
             lines.append(f"  scan: 16-token steps, {sc.BV} value columns {_fmt(sc.launch)}"
