@@ -115,11 +115,11 @@ def finite(t):
     return t is not None and bool(torch.isfinite(t).all())
 
 
-__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "gate_slope", "gate_input_error", "tol_for", "bounded", "plain_options", "launched", "stage1_of", "scan_given_u", "finite", "forced_gates", "FORMS",
+__all__ = ["OPTION_SPACE", "random_case", "check", "check_grads", "gate_param_scales", "param_error", "gate_slope", "gate_input_error", "tol_for", "bounded", "plain_options", "launched", "stage1_of", "scan_given_u", "finite", "forced_gates", "FORMS", "short_forms",
            "math"]
 
 
-FORMS = {"small": 1, "huge": 0, "front": 0, "edge": 1, "near": 1}
+FORMS = {"small": 1, "huge": 0, "front": 0, "edge": 1, "near": 1, "pivots": None}  # pivots: 16-token chunks only
 
 
 def forced_gates(x: dict, C: int, layout) -> set:
@@ -131,9 +131,10 @@ def forced_gates(x: dict, C: int, layout) -> set:
     the levels) or "edge" (with a lower bound of -8: the first 8 tokens at the bound, the rest near 0,
     a middle-anchor exponent of 11.5 * 8 = 92 <= 96 in base 2 and differences of order one next to
     sums near 92; the middle anchor) or "near" (with a lower bound of -8: tokens 4..8 at the bound,
-    the rest near 0: a middle-anchor exponent of 11.5 * 5 = 57.7, just within the short path's 2^60
-    for 16-token chunks; the middle anchor). Returns the forms of the chunks of at least 16 tokens
-    (1: middle anchor, 0: levels; as the chunk-wide path's 96 decides them)."""
+    the rest near 0: a middle-anchor exponent of 11.5 * 5 = 57.7; the middle anchor) or "pivots"
+    (tokens 0 and 8 huge, the rest near 0: on 16-token chunks the short path's halves). Returns the
+    forms of the chunks of at least 16 tokens (1: middle anchor, 0: levels; as the chunk-wide path's
+    96 decides them; none for "pivots")."""
     g, T = x["g"], x["g"].shape[1]
     forms = set()
     with torch.no_grad():
@@ -150,9 +151,39 @@ def forced_gates(x: dict, C: int, layout) -> set:
             elif kind == "front":
                 g[:, t0 + 4:t0 + C] -= 1.0
                 g[:, t0:t0 + 4] = 30.0 + g[:, t0:t0 + 4].abs()
+            elif kind == "pivots":
+                g[:, rows] = -30.0 - g[:, rows].abs()
+                for t in (t0, t0 + 8):
+                    g[:, t:t + 1] = 30.0 + g[:, t:t + 1].abs()
             else:  # edge
                 g[:, t0 + 8:t0 + C] = -30.0 - g[:, t0 + 8:t0 + C].abs()
                 g[:, t0:t0 + 8] = 30.0 + g[:, t0:t0 + 8].abs()
-            if T - t0 >= 16:
+            if T - t0 >= 16 and FORMS[kind] is not None:
                 forms.add(FORMS[kind])
+    return forms
+
+
+def short_forms(x: dict, span: float = 96.0) -> set:
+    """The forms the short kernel's 16-token chunks of unbounded gates take ("anchor" or "halves"),
+    decided from the activated gates in float64 as the kernel decides them in float32 (short.py;
+    chunks per sequence, every value head): a check that a test's layout reaches the forms it means
+    to, away from the bound where the two could differ."""
+    from fastkda.naive import activate
+
+    opts = {n: x[n] for n in ("use_gate_in_kernel", "A_log", "dt_bias", "lower_bound") if n in x}
+    g = activate(x["q"], x["k"], x["v"], x["g"], x["beta"], **opts)[3] / math.log(2)  # [B, T, HV, K], base 2
+    cu = x.get("cu_seqlens")
+    seqs = ([(0, int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])] if cu is not None
+            else [(b, 0, g.shape[1]) for b in range(g.shape[0])])
+    i = torch.arange(16, device=g.device)[:, None, None]
+    forms = set()
+    for b, bos, eos in seqs:
+        for t0 in range(bos, eos, 16):
+            c = torch.zeros(16, *g.shape[2:], dtype=g.dtype, device=g.device)
+            c[:min(16, eos - t0)] = g[b, t0:min(t0 + 16, eos)]
+            c = c.clamp(min=-16384.0)
+            J = torch.where((i == 0) | (i == 8), 0.0, c).cumsum(0)
+            m = J - J[8] - torch.where(i < 8, c[8], 0.0)
+            for h in range(c.shape[1]):
+                forms.add("anchor" if m[:, h].abs().max() <= span else "halves")
     return forms

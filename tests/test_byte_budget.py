@@ -41,6 +41,8 @@ CALLS = {
     "split output": (torch.bfloat16, "safe", False, {}, dict(split_min_chunks=1, split_max_programs=1 << 20),
                      {"kda_fwd_output_kernel"}),
     "u in scan": (torch.bfloat16, "softplus", False, dict(state=True), dict(u_in_scan=True), {"kda_fwd_scan_kernel"}),
+    "segments": (torch.bfloat16, "safe", False, {}, dict(segment_min_tokens=16, short_min_pairs=8),
+                 {"kda_fwd_segment_output_kernel"}),
 }
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import BACKENDS, DEVICE, GPU
 from helpers import (AXES, OPTION_SPACE, bounded, check, forced_gates, grow, launched, random_case,
-                     scan_given_u, stage1_of, tol_for)
+                     scan_given_u, short_forms, stage1_of, tol_for)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -348,6 +348,7 @@ def test_short_path(axis, rng, tune, launch_log):
     assert names == ["kda_fwd_short_kernel", "kda_fwd_scan_kernel"] or (names == [] and x["q"].shape[1] == 0), names
     scan = launch_log[-1]
     assert scan.args["C"] == 16
+    assert scan.args["A_FULL"]  # stage 1 wrote zeros above Aqk's diagonal: rows load unmasked
     assert (scan.args["u"] is None) == (case.dtype != torch.float16)
     o_ref, s_ref = reference(x)
     tol = tol_for(case.dtype, "triton")
@@ -373,23 +374,45 @@ def test_short_path_counts_the_longest_sequence(lens, short, rng, tune, launch_l
     check("o", o, o_ref, tol_for(case.dtype, "triton"))
 
 
-SHORT_ANY_GATE = {  # (case, raw gates forced 16-token chunk by chunk, grown on the GPU tier): "small" and
-    # "near" (an exponent of 57.7, just within 2^60) take the middle anchor; "huge", "front" and "edge"
-    # (at a bound of -8: 92) the half-segment levels; the safe gate's chunks always the middle anchor
-    "softplus_mixed": (Case(T=112, gate="softplus", A_log_range=(0.0, 2.0)), ("small", "huge", "front"), True),
-    "lowerbound_edge_near": (Case(T=96, gate="lowerbound", lower_bound=-8.0, A_log_range=(0.0, 1.0)),
-                             ("edge", "near", "small"), True),
+SHORT_ANY_GATE = {  # (case, raw gates forced 16-token chunk by chunk, grown on the GPU tier): "small",
+    # and at a bound of -12 nats (-17.3 in base 2) "near" (an exponent of 86.6, just within 2^96), take
+    # the middle anchor; at that bound "edge" (138 from the middle token) and "huge", and "pivots" (tokens
+    # 0 and 8 huge), "huge" and "front" of softplus gates the halves, on clamped gates; the safe gate's
+    # chunks always the middle anchor
+    "softplus_mixed": (Case(T=112, gate="softplus", A_log_range=(0.0, 2.0)), ("small", "huge", "front", "pivots"),
+                       True),
+    "lowerbound_edge_near": (Case(T=96, gate="lowerbound", lower_bound=-12.0, A_log_range=(0.0, 1.0)),
+                             ("edge", "near", "small", "huge"), True),
+    "softplus_bf16_forms": (Case(T=64, gate="softplus", dtype=torch.bfloat16, l2norm=True, A_log_range=(0.0, 2.0)),
+                            ("pivots", "small", "huge", "front"), True),
     "softplus_bf16_varlen_gva": (Case(seqlens=(40, 1, 0, 70), H=2, HV=4, gate="softplus", dtype=torch.bfloat16,
-                                      l2norm=True, A_log_range=(0.0, 2.0)), ("huge", "small", "front"), True),
+                                      l2norm=True, A_log_range=(0.0, 2.0)), ("huge", "small", "front", "pivots"), True),
     "softplus_fp16_k48": (Case(T=64, K=48, V=40, gate="softplus", dtype=torch.float16, A_log_range=(2.0, 4.0)),
                           ("front", "small"), True),
     # the safe gate at its bound of -5 nats ("huge": a whole chunk, "edge": its first half): e^G down to
     # 2^-115, built from the middle anchor's factors near 2^58
     "safe_at_bound": (Case(T=88, gate="safe", A_log_range=(0.0, 1.0)), ("huge", "edge", "small"), True),
-    # kept small on the GPU tier too: a partial last chunk and K = 48 on the levels
+    # kept small on the GPU tier too: a partial last chunk and K = 48 on the halves
     "softplus_partial_k48": (Case(T=70, K=48, V=40, gate="softplus", A_log_range=(2.0, 4.0), state_v_first=True),
                              ("huge", "front"), False),
 }
+
+
+SHORT_FORMS = {"softplus_mixed": {"anchor", "halves"}, "lowerbound_edge_near": {"anchor", "halves"},
+               "softplus_bf16_varlen_gva": {"anchor", "halves"}, "softplus_fp16_k48": {"anchor", "halves"},
+               "safe_at_bound": {"anchor"}, "softplus_partial_k48": {"halves"},
+               "softplus_bf16_forms": {"anchor", "halves"}}
+
+
+@pytest.mark.parametrize("axis", list(SHORT_ANY_GATE))
+def test_short_path_layouts_take_their_forms(axis, rng):
+    """The layouts of test_short_path_any_gate reach the short kernel's forms they mean to, on both
+    tiers (helpers.short_forms), whatever the random gates of the other chunks add (a varlen case's
+    later sequences miss the layout's chunk grid); bfloat16 and float32 inputs each reach both."""
+    base, layout, grown = SHORT_ANY_GATE[axis]
+    x = make_inputs(grow(base, GPU) if grown else base, device=DEVICE, generator=rng)
+    forced_gates(x, 16, layout)
+    assert SHORT_FORMS[axis] <= short_forms(x) if base.gate != "safe" else SHORT_FORMS[axis] == {"anchor"}
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
@@ -397,8 +420,8 @@ SHORT_ANY_GATE = {  # (case, raw gates forced 16-token chunk by chunk, grown on 
 @pytest.mark.parametrize("axis", list(SHORT_ANY_GATE))
 def test_short_path_any_gate(axis, heads_first, rng, tune, launch_log):
     """Gates forced chunk by chunk on the short path. Unbounded gates: each 16-token chunk takes the
-    middle anchor or, where its factors would pass 2^60, the half-segment levels; every exponent
-    built from sums of the gates it spans; float32 inputs at float32's precision (1e-6). Safe gates at
+    middle anchor or, where its factors would pass 2^96, its halves' anchors on gates clamped at
+    -24 (base 2); float32 inputs at float32's precision (1e-6). Safe gates at
     their bound (the middle anchor's extremes) within 4e-6: e^G and e^(G_15 - G) are products of two
     exponentials, each the GPU's ex2.approx (2 ulp) there (1.7e-6 measured on the H200; 1.2e-7 in the
     interpreter). ``heads_first``: the order of the programs (Tuning.heads_first)."""
@@ -420,12 +443,41 @@ def test_short_path_any_gate(axis, heads_first, rng, tune, launch_log):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_path_infinite_gates(dtype, rng, tune):
+    """Softplus gates of -inf (raw input +inf) on the short path, in chunks of each form: token 0
+    (the middle anchor), tokens 0 and 8, tokens 0 and 5 (the halves), the rest near 0.
+    Every factor spanning such a gate is 0, as for a gate far below float32's range: the outputs
+    equal those of raw inputs of 1e4 (gates below -2^14 in base 2) and the reference's on them."""
+    tune(short_min_pairs=1)
+    case = Case(T=64, gate="softplus", dtype=dtype, A_log_range=(1.0, 2.0))
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    with torch.no_grad():
+        x["g"].copy_(-30.0 - x["g"].abs())
+    huge = {n: t.clone() if n == "g" else t for n, t in x.items()}
+    for c, tokens in enumerate(((0,), (0, 8), (0, 5), ())):
+        for t in tokens:
+            x["g"][:, 16 * c + t] = float("inf")
+            huge["g"][:, 16 * c + t] = 1e4
+    assert short_forms(huge) == {"anchor", "halves"}
+    with use_backend("triton"), torch.no_grad():
+        o, s = chunk_kda(**x, chunk_size=case.chunk_size)
+        o_h, s_h = chunk_kda(**huge, chunk_size=case.chunk_size)
+    assert torch.equal(o, o_h) and torch.equal(s, s_h)
+    o_ref, s_ref = reference(huge)
+    tol = 1e-6 if dtype == torch.float32 else tol_for(dtype, "triton")
+    check("o", o, o_ref, tol)
+    check("final_state", s, s_ref, tol)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 def test_short_path_not_where_it_does_not_apply(rng, tune, launch_log):
     """Forced on, the short path still leaves alone: training, intermediate states (chunk-sized),
-    pre-gated unbounded gates, keys or values wider than 128."""
+    pre-gated unbounded gates, keys wider than 128, values wider than 128 in float16 (stage 1
+    forms u there, in one tile)."""
     tune(short_min_pairs=1)
     cases = {"train": Case(T=40, gate="safe"), "intermediate": Case(T=40, gate="safe"), "pregated": Case(T=40),
-             "k256": WHOLE_EXTRA["k256"], "v256": Case(T=40, K=64, V=256, gate="safe")}
+             "k256": WHOLE_EXTRA["k256"], "v256_fp16": Case(T=40, K=64, V=256, gate="safe", dtype=torch.float16)}
     for name, case in cases.items():
         x = make_inputs(case, device=DEVICE, generator=rng, requires_grad=name == "train")
         with use_backend("triton"):
@@ -436,6 +488,66 @@ def test_short_path_not_where_it_does_not_apply(rng, tune, launch_log):
                 chunk_kda(**x)
         assert not launched(launch_log, "kda_fwd_short_kernel"), name
         assert launched(launch_log, "kda_fwd_gates_kernel"), name
+        launch_log.clear()
+
+
+SEGMENTED = {  # inference calls of few (sequence, value head) pairs, their sequences cut into segments
+    "dense": Case(T=200, gate="safe", H=1, HV=2),
+    "batch2_bf16_softplus": Case(B=2, T=130, gate="softplus", H=1, HV=2, dtype=torch.bfloat16, l2norm=True,
+                                 beta_sigmoid=True),
+    "varlen_vfirst": Case(seqlens=(150, 0, 70, 33), gate="softplus", H=1, HV=2, state_v_first=True),
+    "lowerbound_no_state": Case(T=320, gate="lowerbound", lower_bound=-3.0, H=1, HV=1, initial_state=False,
+                                final_state=False),
+    "v200": Case(T=256, K=32, V=200, gate="safe", H=1, HV=1),  # V + K past 128: the short path all the same
+    "uneven": Case(T=201, gate="safe", H=1, HV=2),  # 4 segments of 51, 51, 51, 48 tokens: 7 pairs, not 8
+    "k48_negeig_scale": Case(T=200, K=48, V=40, H=1, HV=2, gate="softplus", beta_sigmoid=True, allow_neg_eigval=True,
+                             scale=0.37),
+    "varlen_short_seqs": Case(seqlens=(150, 3, 0, 70), gate="safe", H=1, HV=4),  # 3 tokens in 2 segments
+}
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("axis", list(SEGMENTED))
+def test_segmented_forward(axis, rng, tune, launch_log):
+    """Few pairs, long sequences (Tuning.segment_min_tokens): each sequence cut into segments run as
+    sequences of their own with K more value columns (the state maps from the identity), outputs
+    corrected and final states composed after: one short-path call (whatever its pairs come to with
+    uneven segments) and the output kernel, against the reference at the forward's tolerance, the
+    initial state entering each sequence's first segment only."""
+    tune(segment_min_tokens=32, short_min_pairs=8)
+    case = SEGMENTED[axis]
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    with torch.no_grad():  # raw gate inputs pulled down: weak decays, each segment's state reaches the next
+        x["g"] -= 6.0
+    with use_backend("triton"), torch.no_grad():
+        o, s = chunk_kda(**x, chunk_size=case.chunk_size)
+    short = [e for e in launch_log if e.name == "kda_fwd_short_kernel"]
+    assert len(short) == 1 and not launched(launch_log, "kda_fwd_gates_kernel")
+    assert short[0].args["V"] == case.V + case.K and short[0].args["T"] == case.B * case.T
+    o_ref, s_ref = reference(x)
+    check("o", o, o_ref, tol_for(case.dtype, "triton"))
+    if case.final_state:
+        check("final_state", s, s_ref, tol_for(case.dtype, "triton"))
+    else:
+        assert s is None
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+def test_segmented_forward_not_where_it_does_not_apply(rng, tune, launch_log):
+    """Segments only for inference calls that would take the short path but for their pairs, with
+    sequences long enough: not in training, not with use_graph's fixed boundaries, not for float16
+    inputs (u formed in stage 1 over V + K columns), not for short sequences or many pairs."""
+    tune(segment_min_tokens=32, short_min_pairs=8)
+    base = Case(T=200, gate="safe", H=1, HV=2)
+    cases = {"train": (base, {}), "fp16": (Case(T=200, gate="safe", H=1, HV=2, dtype=torch.float16), {}),
+             "short": (Case(T=100, gate="safe", H=1, HV=2), {}), "pairs": (Case(T=200, gate="safe", H=4, HV=8), {}),
+             "graph": (Case(seqlens=(150, 50), gate="safe", H=1, HV=2), {"use_graph": True})}
+    for name, (case, extra) in cases.items():
+        x = make_inputs(case, device=DEVICE, generator=rng, requires_grad=name == "train")
+        with use_backend("triton"):
+            o, _ = chunk_kda(**x, **extra)
+        v = [e.args["V"] for e in launch_log if "V" in e.args and e.name.startswith("kda_fwd")]
+        assert v and all(n == case.V for n in v), (name, v)
         launch_log.clear()
 
 

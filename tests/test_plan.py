@@ -48,8 +48,8 @@ def plan_for(opts, dtype=torch.bfloat16, train=False, dev=H200, **tuning):
     (1, 8192, 64, 64, torch.bfloat16, dict(gate=GateMode.SOFTPLUS, return_intermediate_states=True), False, False)])
 def test_short_path_choice(B, T, H, HV, dtype, kw, train, short):
     """The short path: inference calls of at least Tuning.short_min_pairs (48) sequence x value-head
-    pairs with non-positive gates (bounded, or activated in the kernel), keys and values of at most
-    128, no intermediate states. Its scan steps 16 tokens, 64 value columns, 3 stages (2 for
+    pairs with non-positive gates (bounded, or activated in the kernel), keys of at most 128 (values
+    too for float16 inputs, which form u in stage 1), no intermediate states. Its scan steps 16 tokens, 64 value columns, 3 stages (2 for
     float32); u formed there (X kept in float32) except for float16 inputs."""
     opts = opts_for(B, T, H, HV, dtype=dtype, **kw)
     p = plan_for(opts, dtype, train=train, short_min_pairs=P.Tuning().short_min_pairs)
@@ -62,10 +62,45 @@ def test_short_path_choice(B, T, H, HV, dtype, kw, train, short):
         assert plan_for(opts_for(B, T, H, HV, dtype=torch.float16, **kw), torch.float16,
                         short_min_pairs=1).short.form_u is False
         assert plan_for(opts_for(B, T, H, HV, K=256, dtype=dtype, **kw), dtype, short_min_pairs=1).short is None
+        wide_v = plan_for(opts_for(B, T, H, HV, V=256, dtype=dtype, **kw), dtype, short_min_pairs=1).short
+        assert (wide_v is not None) is (dtype != torch.float16)  # u formed in the scan: any V
         few = P.chunk_plan(opts, dtype, train, 1, H200, P.Tuning(), pairs=P.Tuning().short_min_pairs - 1)
         assert few.short is None  # a skewed varlen call: fewer pairs than sequences x value heads
     else:
         assert p.forward.chunk == opts.chunk_size and "short" not in p.describe()
+
+
+SAFE = dict(safe_gate=True, lower_bound=-5.0, gate=GateMode.LOWER_BOUND)
+
+
+@pytest.mark.parametrize("B,T,H,dtype,kw,train,pairs,segments", [
+    (1, 32768, 16, torch.bfloat16, SAFE, False, None, 4),
+    (1, 32768, 16, torch.float32, dict(gate=GateMode.SOFTPLUS), False, None, 4),
+    (2, 16384, 8, torch.bfloat16, SAFE, False, None, 4),
+    (1, 131072, 2, torch.bfloat16, SAFE, False, None, 32),
+    (1, 32768, 1, torch.bfloat16, SAFE, False, None, 1),  # 64 segments would be under segment_min_tokens
+    (1, 32768, 16, torch.bfloat16, SAFE, False, 40, 2),  # a skewed varlen call: 40 pairs as the scan sees them
+    (1, 4096, 16, torch.bfloat16, SAFE, False, None, 1),  # segments under segment_min_tokens
+    (1, 32768, 16, torch.bfloat16, SAFE, True, None, 1),  # training
+    (1, 32768, 16, torch.float16, SAFE, False, None, 1),  # float16 forms u in stage 1: V + K in one tile
+    (1, 32768, 16, torch.bfloat16, dict(), False, None, 1),  # pre-gated unbounded gates: no short path
+    (1, 32768, 16, torch.bfloat16, dict(SAFE, graph=True), False, None, 1),  # use_graph: lengths unseen
+    (1, 32768, 64, torch.bfloat16, SAFE, False, None, 1)])  # pairs enough: the short path as it is
+def test_segment_count(B, T, H, dtype, kw, train, pairs, segments):
+    """Inference calls that would take the short path but for their pairs are cut into the power
+    of two of segments that gives it its pairs, each of at least Tuning.segment_min_tokens; the
+    plan says so and leaves the rest to the segments' call."""
+    opts = opts_for(B, T, H, dtype=dtype, **kw)
+    tuning = dict(short_min_pairs=P.Tuning().short_min_pairs, segment_min_tokens=2048)
+    p = P.chunk_plan(opts, dtype, train, 1, H200, P.Tuning(**tuning), pairs=pairs)
+    assert p.segments == segments
+    if segments > 1:
+        assert p.stage1 is None and p.forward is None and p.short is None
+        assert f"cut into {segments} segments" in p.describe() and "output: 64 rows" in p.describe()
+        assert p.segment_output.prec == ("tf32x3" if dtype == torch.float32 else "tf32")
+        assert P.chunk_plan(opts, dtype, train, 1, H200, P.Tuning(short_min_pairs=48), pairs=pairs).segments == 1
+        wide = opts_for(B, T, H, V=192, dtype=dtype, **kw)  # V + K = 320: wider than the kernels take
+        assert P.chunk_plan(wide, dtype, train, 1, H200, P.Tuning(**tuning), pairs=pairs).segments == 1
 
 
 @pytest.mark.parametrize("B,T,H,split", [(1, 32768, 16, True), (1, 8192, 64, False), (2, 8192, 64, False),

@@ -55,6 +55,7 @@ IO: dict[str, Callable[[dict], tuple[list[str], list[str]]]] = {
         [*_when(f["STORE_O"], "o"), *_when(f["STORE_HT"], "ht"), *_when(f["STORE_H"], "h"),
          *_when(f["STORE_VN"], "vn")]),
     "kda_fwd_output_kernel": lambda f: (["qg", "Aqk", "h", "vn"], ["o"]),
+    "kda_fwd_segment_output_kernel": lambda f: (["o_ext", "s_in"], ["o"]),
     "kda_fwd_short_kernel": lambda f: (
         ["q", "k", "g", "A_log", "dt_bias", "beta", *_when(not f["FORM_U"], "v")],
         ["w", "qg", "kd", "Aqk", "gl", "xs" if f["FORM_U"] else "u"]),

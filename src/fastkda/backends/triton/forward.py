@@ -66,13 +66,23 @@ def scan_pairs(opts: KDAOptions, cu_host) -> int:
     s = opts.shape
     if opts.graph or cu_host is None:
         return s.N * s.HV
+    tokens, longest = _tokens_longest(cu_host)
+    return s.HV * tokens // longest if longest > 0 else 0
 
+
+def longest_sequence(opts: KDAOptions, cu_host) -> int:
+    """The tokens of a call's longest sequence (use_graph, whose lengths the host never sees: T)."""
+    if opts.graph or cu_host is None:
+        return opts.shape.T
+    return _tokens_longest(cu_host)[1]
+
+
+def _tokens_longest(cu_host) -> tuple[int, int]:
     def make():
         lens = (cu_host[1:] - cu_host[:-1]).tolist()
         return sum(lens), max(lens, default=0)
 
-    tokens, longest = seqlens_derived(cu_host, ("tokens", "longest"), make)
-    return s.HV * tokens // longest if longest > 0 else 0
+    return seqlens_derived(cu_host, ("tokens", "longest"), make)
 
 
 def chunk_tables_of(opts: KDAOptions, cu_seqlens, cu_host, C: int | None = None
@@ -157,23 +167,27 @@ def wu_x(p: Stage1) -> torch.Tensor:
     return p.xs if p.xh is None else p.xh
 
 
-def short_forward(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(o, final_state) of the short path: its stage 1 (short.py), then the scan over 16-token chunks."""
+def short_forward(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, o_dtype: torch.dtype | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(o, final_state) of the short path: its stage 1 (short.py), then the scan over 16-token chunks.
+    ``o_dtype``: o's (default v's)."""
     p = short_stage1(opts, plan, x, chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu, 16))
     o, ht, _, _ = fwd_scan(opts, plan, plan.forward, p.w, p.u, p.xs, p.qg, p.kd, p.Aqk, p.gl, p.chunk_indices,
-                           p.chunk_offsets, p.NT_total, x)
+                           p.chunk_offsets, p.NT_total, x, o_dtype)
     return o, ht
 
 
-def forward_stages(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, x: KDAInputs, intra: Stage1 | None = None):
+def forward_stages(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, x: KDAInputs, intra: Stage1 | None = None,
+                   o_dtype: torch.dtype | None = None):
     """Stage 1 and the scan on contiguous inputs: (stage 1's output, o, final_state, h, v') as
     ``scan`` says (the plan's ``forward`` or ``recompute``). ``intra``: the output of
-    ``stage1_intra`` kept from the forward, from which only stage1_wu and the scan run."""
+    ``stage1_intra`` kept from the forward, from which only stage1_wu and the scan run. ``o_dtype``:
+    o's (default v's)."""
     if plan.short is not None:
         raise RuntimeError("forward_stages: the plan takes the short path (short_forward)")
     if intra is None:
         intra = stage1_intra(opts, plan, x)
     p = stage1_wu(opts, plan, scan, intra, x)
     o, ht, h, vn = fwd_scan(opts, plan, scan, p.w, p.u, wu_x(p), p.qg, p.kd, p.Aqk, p.gl, p.chunk_indices,
-                            p.chunk_offsets, p.NT_total, x)
+                            p.chunk_offsets, p.NT_total, x, o_dtype)
     return p, o, ht, h, vn

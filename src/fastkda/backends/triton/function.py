@@ -16,16 +16,19 @@ compiled operator (``chunk_kda_vjp``) keeps nothing and recomputes all of stage 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ...options import KDAInputs, KDAOptions
+from ...options import KDAInputs, KDAOptions, KDAShape
 from .backward import gradients
-from .common import contiguous_inputs, current_record, graph_seqlens, recording
-from .forward import Stage1, chunk_count, chunk_tables_of, forward_stages, scan_pairs, short_forward
-from .plan import ChunkPlan, chunk_plan, current_tuning, device_facts
+from .common import chunk_tables, contiguous_inputs, current_record, graph_seqlens, launch, out_alloc, recording
+from .forward import (Stage1, chunk_count, chunk_tables_of, forward_stages, longest_sequence, scan_pairs,
+                      short_forward)
+from .output import kda_fwd_segment_output_kernel
+from .plan import ChunkPlan, cdiv, chunk_plan, current_tuning, device_facts, pow2, tuned
 
 
 def plan_of(opts: KDAOptions, x: KDAInputs, train: bool) -> ChunkPlan:
@@ -33,7 +36,7 @@ def plan_of(opts: KDAOptions, x: KDAInputs, train: bool) -> ChunkPlan:
     tuning = current_tuning()
     chunks = chunk_count(opts, x.cu_seqlens, x.cu_seqlens_cpu)
     return chunk_plan(opts, x.q.dtype, train, chunks, device_facts(x.q.device, tuning), tuning,
-                      scan_pairs(opts, x.cu_seqlens_cpu))
+                      scan_pairs(opts, x.cu_seqlens_cpu), longest_sequence(opts, x.cu_seqlens_cpu))
 
 
 def graph_inputs(opts: KDAOptions, x: KDAInputs) -> tuple[KDAInputs, torch.Tensor | None]:
@@ -57,13 +60,78 @@ def chunk_forward(opts: KDAOptions, x: KDAInputs):
     """(o, final_state, h) through the two forward stages, without gradients."""
     x, bad = graph_inputs(opts, contiguous_inputs(x))
     plan = plan_of(opts, x, train=False)
-    if plan.short is not None:
+    if plan.segments > 1:
+        o, ht = segmented_forward(opts, plan, x)
+        h = None
+    elif plan.short is not None:
         o, ht = short_forward(opts, plan, x)
         h = None
     else:
         _, o, ht, h, _ = forward_stages(opts, plan, plan.forward, x)
     poison(bad, o, ht, h)
     return o, ht, h
+
+
+def segmented_forward(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(o, final_state) of an inference call whose sequences are cut into ``plan.segments`` each
+    (plan.segment_count; docs/context_parallel.md has the maps): one call of the segments as
+    sequences of their own, with K more value columns that run each segment's state map from the
+    identity (v = 0 there, initial state I: outputs A_{1..t}^T scale q_t, final state A), all
+    outputs in float32; then each segment's true initial state from the maps of the segments before
+    it, S_in(p + 1) = A_p S_in(p) + B_p (the first starts from the call's own initial state, in its
+    B), and its outputs plus (A_{1..t}^T scale q_t)^T S_in(p), rounded once
+    (output.kda_fwd_segment_output_kernel)."""
+    s, P = opts.shape, plan.segments
+    B, T, HV, K, V = s.B, s.T, s.HV, s.K, s.V
+    dev = x.q.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    if x.cu_seqlens is None:
+        seqs = [(b * T, (b + 1) * T) for b in range(B)]
+    else:  # the host copy (varlen calls have it; use_graph never segments)
+        cu = x.cu_seqlens_cpu.tolist()
+        seqs = list(zip(cu[:-1], cu[1:]))
+    cuts = [0]  # the segments' boundaries on the flattened token axis, P per sequence (empty ones too)
+    for bos, eos in seqs:
+        step = cdiv(eos - bos, P)
+        cuts += [min(bos + i * step, eos) for i in range(1, P)] + [eos]
+    cu_host = torch.tensor(cuts, dtype=torch.int64)
+    h0 = torch.zeros(len(cuts) - 1, HV, K, V + K, **f32)
+    h0[..., V:] = torch.eye(K, **f32)
+    if x.initial_state is not None:
+        h0[::P, :, :, :V] = x.initial_state.transpose(-1, -2) if opts.state_v_first else x.initial_state
+    flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (x.q, x.k, x.v, x.g, x.beta)]
+    v_ext = torch.cat([flat[2], flat[2].new_zeros(1, B * T, HV, K)], -1)
+    opts_s = dataclasses.replace(opts, shape=KDAShape(1, B * T, s.H, HV, K, V + K, len(cuts) - 1),
+                                 output_final_state=True, state_v_first=False)
+    x_s = KDAInputs(flat[0], flat[1], v_ext, flat[3], flat[4], x.A_log, x.dt_bias, h0,
+                    cu_host.to(dev, torch.int32), cu_host)
+    # the short path (its pairs those the cut meant, give or take uneven segments), never cut again
+    with tuned(segment_min_tokens=None, short_min_pairs=1):
+        plan_s = plan_of(opts_s, x_s, train=False)
+    if plan_s.short is not None:
+        o_ext, ht_ext = short_forward(opts_s, plan_s, x_s, torch.float32)
+    else:
+        _, o_ext, ht_ext, _, _ = forward_stages(opts_s, plan_s, plan_s.forward, x_s, o_dtype=torch.float32)
+    # the segments' true initial states beyond their own (0 for each sequence's first, whose initial
+    # state the call gave), from the maps of those before: S_in(p + 1) = A_p S_in(p) + B_p
+    maps = ht_ext.view(len(seqs), P, HV, K, V + K)
+    s_in = torch.zeros(len(seqs), P, HV, K, V, **f32)
+    S = maps[:, 0, :, :, :V]
+    for p in range(1, P):
+        s_in[:, p] = S
+        S = maps[:, p, :, :, V:] @ S + maps[:, p, :, :, :V]
+    o = out_alloc(opts)(1, B * T, HV, V, dtype=x.v.dtype, device=dev)
+    so = plan.segment_output
+    chunk_indices, _, NT = chunk_tables(cu_host, so.rows, dev)
+    if NT > 0:
+        NV = cdiv(V, so.bv)
+        launch(kda_fwd_segment_output_kernel, (NT * NV, HV), o_ext, s_in, o, x_s.cu_seqlens, chunk_indices, B * T,
+               HV=HV, K=K, V=V, C=so.rows, BK=pow2(K), BV=so.bv, NV=NV, SEGMENTS=P, PREC=so.prec,
+               **so.launch.kwargs())
+    o = o.view(B, T, HV, V)
+    if not opts.output_final_state:
+        return o, None
+    return o, (S.transpose(-1, -2) if opts.state_v_first else S).contiguous()
 
 
 class Kept(NamedTuple):

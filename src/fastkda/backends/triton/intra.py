@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .common import chunk_program
 from .tiles import (anchored_level, block_pairs, block_sums, chunk_form, cum_gates, cum_gates_lo, gates_after, row_of,
-                    half_pairs, load_tile, per_block, prod, rnorm, split_level, store_block, store_tile)
+                    half_pairs, level_products, load_tile, per_block, prod, rnorm, store_block, store_tile)
 
 
 @triton.jit
@@ -49,12 +49,9 @@ def _diag_blocks(q, k, gc, ga, rs, bos, t0, T_seq, i_h, i_hv, o_i, R, C: tl.cons
             # unbounded gates: four levels of pairs, each anchored where both factors are <= 1
             b_g = load_tile(ga, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
             b_gn = load_tile(ga, bos, tr + 1, T_seq, i_hv, HV, K, o_i, o_d)  # the next token's gates
-            for lvl in tl.static_range(4):
-                m, b_r, b_f = split_level(b_g, b_gn, o_i, 8 >> lvl)
-                b_col = tl.trans(b_k * b_f)
-                b_Aqk += tl.where(m, prod(b_q * b_r, b_col, PREC), 0.0)
-                b_Akk += tl.where(m, prod(b_k * b_r, b_col, PREC), 0.0)
-            b_Aqk += tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)  # factor 1
+            b_lq, b_lk = level_products(b_q, b_k, b_g, b_gn, o_i, PREC)
+            b_Aqk += b_lq
+            b_Akk += b_lk
     b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk, 0.0)
     b_Akk = tl.where(o_i[:, None] > o_i[None, :], b_Akk, 0.0)
     return b_Aqk, b_Akk

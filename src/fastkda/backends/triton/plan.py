@@ -86,6 +86,10 @@ class Tuning:
     short: Launch = Launch(2)
     short_scan_bv: int = 64
     short_scan_stages: int = 3
+    # inference calls with fewer pairs than short_min_pairs: each sequence cut into segments of at
+    # least this many tokens, run as sequences of their own (their state maps composed after), so
+    # that the short path has its pairs (None: never)
+    segment_min_tokens: int | None = None
     # forward scan
     scan_bv: int = 64
     scan_bv_narrow: int = 32  # where scan_bv-wide programs would fill at most half the SMs
@@ -293,8 +297,9 @@ class Stage1Plan:
 class ShortPlan:
     """Forward stage 1 on 16-token chunks in one kernel (short.py), for inference."""
 
-    bounded: bool  # safe_gate: the middle anchor on every chunk (no span test, no levels)
+    bounded: bool  # safe_gate: the middle anchor on every chunk (no span test)
     prec: str  # the Aqk, Akk products and w = X (beta k e^G) (and u where stage 1 forms it)
+    inv_prec: str  # the products of the 16 x 16 inverse (tiles.inv_unit_lower)
     form_u: bool  # X stored (float32), u formed in the scan
     softplus_form: int
     heads_first: bool
@@ -317,6 +322,17 @@ class ScanPlan:
     output: Launch
     chunk: int  # tokens per step (the call's chunk size, 16 on the short path)
     u_prec: str  # the product u = X (beta v) where the scan forms u
+    a_full: bool = False  # stage 1 wrote Aqk's whole chunk blocks, zeros above the diagonal (short path)
+
+
+class SegmentOutput(NamedTuple):
+    """The output kernel of a segmented call (output.kda_fwd_segment_output_kernel): rows and value
+    columns per program, the product's precision, the launch."""
+
+    rows: int
+    bv: int
+    prec: str
+    launch: Launch
 
 
 @dataclass(frozen=True)
@@ -347,19 +363,27 @@ class ChunkPlan:
     dot: Dot
     chunks: int  # chunk slots of the launch grids
     stage1: Stage1Plan | None  # None on the short path
-    forward: ScanPlan  # the call's own scan
+    forward: ScanPlan | None  # the call's own scan (None: segmented)
     recompute: ScanPlan | None  # training: the backward's recomputation of the scan
     backward: BackwardPlan | None
     short: ShortPlan | None = None  # the short path: it replaces stage 1, the scan steps 16 tokens
+    segments: int = 1  # inference: each sequence cut into this many (segment_count), the call's plan then theirs
+    segment_output: SegmentOutput | None = None  # with segments
 
     def describe(self) -> str:
         """The plan as text, one stage per line (what ``fastkda.explain`` prints)."""
+        if self.segments > 1:
+            so = self.segment_output
+            return (f"chunk plan: inference, each sequence cut into {self.segments} segments run as sequences of "
+                    "their own with K more value columns (their state maps from the identity, float32 outputs), "
+                    "the maps composed after; the segments' call has a plan of its own\n"
+                    f"  output: {so.rows} rows, {so.bv} value columns {_fmt(so.launch)}, products {so.prec}")
         if self.short is not None:
             sp, sc = self.short, self.forward
             lines = [f"chunk plan: inference, 16-token chunks, products {self.dot.prec}"]
             lines.append(f"  stage 1: short path, 16-token chunks in one kernel {_fmt(sp.launch)}; middle anchor"
-                         + ("" if sp.bounded else " (half-segment levels where the gates span more)")
-                         + f"; products {sp.prec}; "
+                         + ("" if sp.bounded else " (the halves on clamped gates where the gates span more)")
+                         + f"; products {sp.prec}, inverse {sp.inv_prec}; "
                          + ("X float32 for the scan" if sp.form_u else "u in stage 1"))
             lines.append(f"  scan: 16-token steps, {sc.BV} value columns {_fmt(sc.launch)}"
                          + (f"; forms u ({sc.u_prec})" if sc.form_u else ""))
@@ -501,14 +525,34 @@ def _scan(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, chunks: int, out
                     chunk=opts.chunk_size, u_prec=s1.wu_prec if form_u else dot_prec)
 
 
-def short_path(opts: KDAOptions, train: bool, tuning: Tuning, pairs: int) -> bool:
+def short_path(opts: KDAOptions, dtype: torch.dtype, train: bool, tuning: Tuning, pairs: int) -> bool:
     """Whether an inference call takes the short path: non-positive gates (bounded, or activated in
-    the kernel), features of at most 128, no intermediate states asked for (they are the chunk
-    size's), and enough (sequence, value head) pairs (``pairs``: forward.scan_pairs) that the scan's
-    longer chain of 16-token steps costs less than the chunk-wide stage 1 it saves (docs/kernels.md)."""
+    the kernel), keys of at most 128 and values too unless the scan forms u (float16 inputs form it
+    in stage 1, in one tile), no intermediate states asked for (they are the chunk size's), and
+    enough (sequence, value head) pairs (``pairs``: forward.scan_pairs) that the scan's longer chain
+    of 16-token steps costs less than the chunk-wide stage 1 it saves (docs/kernels.md)."""
     return (not train and tuning.short_min_pairs is not None and pairs >= tuning.short_min_pairs
             and (opts.safe_gate or opts.gate != GateMode.PREGATED) and not opts.return_intermediate_states
-            and max(opts.shape.K, opts.shape.V) <= 128)
+            and opts.shape.K <= 128 and (opts.shape.V <= 128 or dtype != torch.float16))
+
+
+def segment_count(opts: KDAOptions, dtype: torch.dtype, train: bool, tuning: Tuning, pairs: int,
+                  longest: int) -> int:
+    """The segments each sequence of a call is cut into (1: none). An inference call that would take
+    the short path but for its few (sequence, value head) pairs (``pairs``, as scan_pairs counts
+    them) gets the power of two of segments that multiplies its pairs up to Tuning.short_min_pairs,
+    if its longest sequence (``longest`` tokens) makes segments of Tuning.segment_min_tokens at
+    least; shorter sequences are cut as many times. The segments run as sequences of their own
+    with K more value columns (V + K of them, at most the kernels' widest; float16 inputs, which form
+    u in stage 1, are left alone) on the short path; use_graph's fixed boundaries are never cut."""
+    s = opts.shape
+    if (tuning.segment_min_tokens is None or tuning.short_min_pairs is None or pairs <= 0
+            or pairs >= tuning.short_min_pairs or opts.graph or dtype == torch.float16
+            or s.V + s.K > platform.TRITON_MAX_DIM
+            or not short_path(opts, dtype, train, tuning, tuning.short_min_pairs)):
+        return 1
+    segments = pow2(cdiv(tuning.short_min_pairs, pairs), 1)
+    return segments if longest // segments >= tuning.segment_min_tokens else 1
 
 
 def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, dot: Dot) -> tuple[ShortPlan, ScanPlan]:
@@ -518,7 +562,10 @@ def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, do
     # X kept in float32 for the scan's u (fewer bytes than u, and no rounding of u); float16 inputs
     # form u in stage 1 (Triton 3.6's code for a tf32 product beside float16 ones faults on sm_90)
     form_u = dtype != torch.float16
-    sp = ShortPlan(bounded=opts.safe_gate, prec=low, form_u=form_u,
+    # the inverse in tf32 (operands rounded to nearest) for bfloat16 inputs, whose own rounding is 16
+    # times coarser; exact products for float32 and float16 ones
+    inv_prec = "tf32_rn" if dtype == torch.bfloat16 else "ieee"
+    sp = ShortPlan(bounded=opts.safe_gate, prec=low, inv_prec=inv_prec, form_u=form_u,
                    softplus_form=softplus_form(dtype, dev.interpret, tuning), heads_first=tuning.heads_first,
                    BK=BK, BV=BV, launch=tuning.short)
     bv = min(BV, tuning.short_scan_bv)
@@ -526,7 +573,7 @@ def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, do
                     launch=Launch(scan_warps(tuning.scan_warps, BK, bv),
                                   scan_stages(tuning.short_scan_stages, BK, bv, dtype.itemsize)),
                     split_output=False, output_bv=min(BV, tuning.output_bv), output=tuning.output, chunk=16,
-                    u_prec="tf32" if dtype == torch.bfloat16 else dot.prec)
+                    u_prec="tf32" if dtype == torch.bfloat16 else dot.prec, a_full=True)
     return sp, scan
 
 
@@ -552,13 +599,23 @@ def _backward(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, dev: Device,
 
 @functools.lru_cache(maxsize=256)
 def chunk_plan(opts: KDAOptions, dtype: torch.dtype, train: bool, chunks: int, dev: Device,
-               tuning: Tuning, pairs: int | None = None) -> ChunkPlan:
+               tuning: Tuning, pairs: int | None = None, longest: int | None = None) -> ChunkPlan:
     """The plan of a chunk_kda call on inputs of ``dtype`` with ``chunks`` chunk slots (a pure
     function; cached). ``train``: the forward of a training step, whose backward reads stage 1.
     ``pairs``: the (sequence, value head) pairs as the scan sees them (forward.scan_pairs; None:
-    sequences x value heads)."""
+    sequences x value heads); ``longest``: the longest sequence's tokens (forward.longest_sequence;
+    None: T)."""
     dot = dot_for(dtype, dev.interpret)
-    if short_path(opts, train, tuning, opts.shape.N * opts.shape.HV if pairs is None else pairs):
+    pairs = opts.shape.N * opts.shape.HV if pairs is None else pairs
+    segments = segment_count(opts, dtype, train, tuning, pairs, opts.shape.T if longest is None else longest)
+    if segments > 1:
+        # float32 inputs: three tf32 products on 32 columns (Triton's float32 products on the cores,
+        # and tf32x3 on 64 columns, spill at these tiles: offline sm_90 compiles)
+        prec = "tf32x3" if dot.prec == "ieee" else dot.prec
+        out = SegmentOutput(64, min(pow2(opts.shape.V), 32 if prec == "tf32x3" else 64), prec, Launch(4, None))
+        return ChunkPlan(train=False, dot=dot, chunks=chunks, stage1=None, forward=None, recompute=None, backward=None,
+                         segments=segments, segment_output=out)
+    if short_path(opts, dtype, train, tuning, pairs):
         short, fwd = _short(opts, dtype, dev, tuning, dot)
         return ChunkPlan(train=False, dot=dot, chunks=chunks, stage1=None, forward=fwd, recompute=None, backward=None,
                          short=short)

@@ -21,7 +21,8 @@ from ...options import KDAInputs, KDAOptions
 from .common import launch, out_alloc, seq_grid, seq_program, sequence_location
 from .output import kda_fwd_output_kernel
 from .plan import ChunkPlan, ScanPlan, cdiv, pow2
-from .tiles import as_operand, block_lower, chunk_operands, load_beta, prod, state_ptrs
+from .tiles import (activate_beta, as_operand, block_lower, chunk_decay, chunk_operands, load_beta_raw, prod,
+                    state_ptrs)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -31,7 +32,7 @@ def kda_fwd_scan_kernel(
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr, STORE_O: tl.constexpr,
     STORE_VN: tl.constexpr, V_FIRST: tl.constexpr, H_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, U_IN: tl.constexpr, U_PREC: tl.constexpr,
-    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr,
+    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, A_FULL: tl.constexpr,
 ):
     """U_IN (ScanPlan.form_u): u = X (beta v) of each chunk from X (xs, [chunks, HV, C, C], block
     lower) and v, beta, at precision U_PREC (tiles.prod's, as the w/u kernel's); otherwise u is read."""
@@ -49,6 +50,11 @@ def kda_fwd_scan_kernel(
         b_S += tl.load(p_h0, mask=m_h, other=0.0).to(tl.float32)
 
     p_uv = (bos * HV + i_hv) * V + o_v[None, :]
+    # the chunk decay and beta (loads the pipeline of the product operands does not take) are read a
+    # chunk ahead: waiting for them would stall every step for a global load's latency
+    b_gln = chunk_decay(gl, c_off, 0, T_seq, i_hv, o_k, HV, K, C)
+    if U_IN:
+        b_bn = load_beta_raw(beta, bos, 0, T_seq, i_hv, o_c, HV)
     for i_t in range(0, tl.cdiv(T_seq, C)):
         o_t = i_t * C + o_c
         m_t = o_t < T_seq
@@ -56,12 +62,15 @@ def kda_fwd_scan_kernel(
         if STORE_H:
             p_h, m_h = state_ptrs(h + ((c_off + i_t) * HV + i_hv) * K * V, o_k, o_v, K, V, H_V_FIRST)
             tl.store(p_h, b_S.to(h.dtype.element_ty), mask=m_h)
-        b_w, b_qg, b_kd, b_A, b_gl = chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV, K, C,
-                                                    DT, EMU)
+        b_w, b_qg, b_kd, b_A, _ = chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV, K, C, DT,
+                                                 EMU, A_FULL)
+        b_gl = b_gln
+        b_gln = chunk_decay(gl, c_off, i_t + 1, T_seq, i_hv, o_k, HV, K, C)
         if U_IN:  # independent of the state: the loads and the product overlap the chain of S
             b_X = block_lower(xs + ((c_off + i_t) * HV + i_hv) * C * C, o_c, C)  # [C, C]
             b_y = tl.load(v + p_uv + r_t * (HV * V), mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-            b_y *= load_beta(beta, bos, i_t * C, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)[:, None]
+            b_y *= activate_beta(b_bn, i_t * C, T_seq, o_c, SIGMOID, BETA_SCALE)[:, None]
+            b_bn = load_beta_raw(beta, bos, (i_t + 1) * C, T_seq, i_hv, o_c, HV)
             b_u = tl.where(m_t[:, None], prod(b_X, b_y, U_PREC), 0.0)  # [C, BV]; rows past the sequence 0
         else:
             b_u = tl.load(u + p_uv + r_t * (HV * V), mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
@@ -82,12 +91,12 @@ def kda_fwd_scan_kernel(
 
 
 def fwd_scan(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, w, u, xs, qg, kd, Aqk, gl, chunk_indices,
-             chunk_offsets, NT_total: int, x: KDAInputs):
+             chunk_offsets, NT_total: int, x: KDAInputs, o_dtype: torch.dtype | None = None):
     """Launch stage 2 on stage 1's tensors. Returns (o, final_state, h, v'), each None unless asked
     for: ``scan.outputs`` gives o and the final state (if the options ask for it); ``scan.keep``
     gives what the backward needs, h in [K, V] order and v' (both in the input dtype); otherwise h
     only with ``return_intermediate_states`` (float32, in the state layout). With ``scan.form_u``
-    (u None) the scan forms u from ``xs``, v and beta."""
+    (u None) the scan forms u from ``xs``, v and beta. ``o_dtype``: o's (default v's)."""
     s, C = opts.shape, scan.chunk
     B, T, HV, K, V, N = s.B, s.T, s.HV, s.K, s.V, s.N
     dev, dt = w.device, w.dtype
@@ -95,7 +104,7 @@ def fwd_scan(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, w, u, xs, qg, kd
         raise RuntimeError("fwd_scan: u must be None exactly where the scan forms it")
     if Aqk.shape[-1] != scan.chunk:
         raise RuntimeError(f"fwd_scan: stage 1 made chunks of {Aqk.shape[-1]} tokens, the scan steps {scan.chunk}")
-    o = out_alloc(opts)(B, T, HV, V, dtype=x.v.dtype, device=dev) if scan.outputs else None
+    o = out_alloc(opts)(B, T, HV, V, dtype=o_dtype or x.v.dtype, device=dev) if scan.outputs else None
     ht = None
     if scan.outputs and opts.output_final_state:
         ht = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev)
@@ -118,7 +127,7 @@ def fwd_scan(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, w, u, xs, qg, kd
                V_FIRST=opts.state_v_first, H_V_FIRST=opts.state_v_first and not (scan.keep or scan.split_output),
                IS_VARLEN=x.cu_seqlens is not None, DT=dot.dtype, PREC=dot.prec, EMU=dot.emulate, U_IN=scan.form_u,
                U_PREC=scan.u_prec, SIGMOID=opts.beta_sigmoid,
-               BETA_SCALE=opts.beta_scale, **scan.launch.kwargs())
+               BETA_SCALE=opts.beta_scale, A_FULL=scan.a_full, **scan.launch.kwargs())
     if scan.split_output:
         if NT_total > 0:
             NV = cdiv(V, scan.output_bv)

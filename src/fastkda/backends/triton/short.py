@@ -6,9 +6,11 @@ what the state scan (scan.py, run with C = 16) reads:
     qg  = scale q e^G      [16, K]      kd = k e^(G_15 - G)    [16, K]
     Aqk (j <= i, times scale) [16, 16]  gl = e^(G_15)          [K] (float32)
 
-with G the cumulative gates from the chunk start (base 2) and X = (I + Diag(beta) Akk)^-1. For
-unbounded gates every exponent is built from sums of at most 8 gates on either side of the chunk's
-middle token, never from a difference of two cumulative sums of the chunk.
+with G the cumulative gates from the chunk start (base 2) and X = (I + Diag(beta) Akk)^-1. Unbounded
+gates take the middle anchor where its factors stay within 2^SPAN, else the halves' anchors on gates
+clamped at -CLAMP (any gate: a factor the clamp changes is below 2^-CLAMP, exact or not). The
+anchors' exponents are differences of one cumulative sum that leaves out the gates of tokens 0 (in
+no factor) and 8 (added apart where it belongs, to exponents of its own sign): docs/math.md section 3.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from ...alloc import new_empty
 from ...options import KDAInputs, KDAOptions
 from .common import activate_gate, chunk_grid, chunk_program, gate_launch, launch
 from .plan import ChunkPlan
-from .tiles import inv_unit_lower, load_beta, load_tile, prod, rnorm, row_of, split_level, store_tile
+from .tiles import inv_unit_lower, load_beta, load_tile, prod, rnorm, row_of, store_tile
 
-# unbounded gates: the middle anchor while every factor stays within 2^SPAN (a product of two
-# factors within 2^120: finite in float32); otherwise the half-segment levels
-SPAN = tl.constexpr(60.0)
+# unbounded gates: the middle anchor while every factor stays within 2^SPAN (float32 overflows at
+# 2^128: the operands keep a margin of 2^32), else the halves' anchors on gates clamped at -CLAMP
+# (base 2), whose factors stay within 2^(4 CLAMP) = 2^SPAN
+SPAN = tl.constexpr(96.0)
+CLAMP = tl.constexpr(24.0)
 
 
 @triton.jit
@@ -46,21 +50,36 @@ def _middle_anchor(b_q, b_k, b_r, b_ri, PREC: tl.constexpr):
     return prod(b_q * b_r, b_c, PREC), prod(b_k * b_r, b_c, PREC)
 
 
+@triton.jit
+def _halves(b_q, b_k, b_n, b_x, b_g8, o_i, PREC: tl.constexpr):
+    """(Aqk, Akk) [16, 16] unmasked, unscaled, of a chunk anchored per half: pairs within a half from
+    b_n = G - G_4 (rows 0-7) or G - G_12 (rows 8-15), pairs of a second-half row and a first-half
+    column from e^(G_i - G_7) = e^(g_8 + b_x) and e^(G_7 - G_j) = e^(-b_x), b_x = J - J_7 (the
+    exponents clamped at 0 off those pairs: finite, discarded)."""
+    m_half = (o_i[:, None] // 8) == (o_i[None, :] // 8)
+    b_Aw, b_Kw = _middle_anchor(b_q, b_k, tl.exp2(b_n), tl.exp2(-b_n), PREC)
+    b_Ax, b_Kx = _middle_anchor(b_q, b_k, tl.exp2(tl.minimum(b_x + b_g8[None, :], 0.0)), tl.exp2(tl.minimum(-b_x, 0.0)),
+                                PREC)
+    return tl.where(m_half, b_Aw, b_Ax), tl.where(m_half, b_Kw, b_Kx)
+
+
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_short_kernel(
     q, k, v, g, beta, A_log, dt_bias, w, u, xs, qg, kd, Aqk, gl, cu_seqlens, chunk_indices, scale, lower_bound, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, L2NORM: tl.constexpr,
     SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    BOUNDED: tl.constexpr, PREC: tl.constexpr, FORM_U: tl.constexpr,
+    BOUNDED: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr, FORM_U: tl.constexpr,
 ):
     """One 16-token chunk of one value head. Aqk and Akk from the middle anchor (token 8: factors
-    e^(G_i - G_8) on rows, e^(G_8 - G_j) on columns); BOUNDED (gates >= -5 nats) keeps every factor
-    within 2^58, and the exponents are differences of the cumulative gates; otherwise each is a sum
-    of the gates between its token and the anchor, and a chunk whose factors would pass 2^SPAN
-    takes the four half-segment levels (tiles.split_level), whose factors are <= 1. A non-finite
-    gate makes its whole feature column of the chunk non-finite (the shift of _next_rows is a
-    product). PREC: the Aqk, Akk, w and u products.
+    e^(G_i - G_8) on rows, e^(G_8 - G_j) on columns), their exponents differences of cumulative
+    gates: BOUNDED (gates >= -5 nats) keeps every factor within 2^58. Unbounded gates: a chunk whose
+    factors would pass 2^SPAN takes its halves' anchors (tokens 4 and 12, the second half's rows
+    against the first half's columns at token 7 with factors <= 1) on gates clamped at -CLAMP,
+    and e^(G_15 - G) from sums of the unclamped gates after each token. Unbounded gates below
+    -2^14 (base 2; -inf too) count as -2^14, which changes no factor; a NaN gate reaches its
+    feature's chunk decay, hence the state. PREC: the Aqk, Akk, w and u products; INV_PREC: the
+    inverse's.
     FORM_U: X goes to xs (the scan forms u = X (beta v)), u is not written."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, 16, IS_VARLEN, 1, HEADS_FIRST)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
@@ -80,42 +99,64 @@ def kda_fwd_short_kernel(
     b_k *= rnorm(tl.sum(b_k * b_k, 1), L2NORM)[:, None]
     b_b = load_beta(beta, bos, t0, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)  # [16]
 
-    b_G = tl.cumsum(b_g, 0)  # G   [16, BK]
     if BOUNDED:
         # |G| <= 16 * 7.22 (base 2): a difference of two float32 sums is off by about 1e-5 at most.
         # The anchor's factors lie within 2^58, e^(G_8) and e^(G_15 - G_8) at least 2^-65, and every
         # product at least 2^-116 (normal float32): e^G and e^(G_15 - G) are such products
+        b_G = tl.cumsum(b_g, 0)  # G   [16, BK]
         b_G8 = row_of(b_G, o_i, 8)
+        b_G15 = row_of(b_G, o_i, 15)
         b_r = tl.exp2(b_G - b_G8[None, :])
         b_ri = tl.exp2(b_G8[None, :] - b_G)
         b_Aqk, b_Akk = _middle_anchor(b_q, b_k, b_r, b_ri, PREC)
         b_e = b_r * tl.exp2(b_G8)[None, :]
-        b_ed = b_ri * tl.exp2(tl.sum(b_g, 0) - b_G8)[None, :]  # e^(G_15 - G)
+        b_ed = b_ri * tl.exp2(b_G15 - b_G8)[None, :]  # e^(G_15 - G)
     else:
-        b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
-        # G_i - G_8 as sums: the gates 9..i (i >= 8, <= 0) or minus the gates i+1..8 (i < 8, >= 0)
-        b_m = tl.where((o_i >= 8)[:, None], tl.cumsum(tl.where((o_i >= 9)[:, None], b_g, 0.0), 0),
-                       -tl.cumsum(tl.where((o_i <= 7)[:, None], b_gn, 0.0), 0, reverse=True))
+        # gates below -2^14 (-inf too) as -2^14: every factor spanning one is 0 either way, and the
+        # row shift, a product, meets no infinity (0 * inf); NaN stays NaN
+        b_g = tl.where(b_g < -16384.0, -16384.0, b_g)
+        # J: the gates 1..i but token 8's, summed. g_0 enters no factor (e^G's and e^(G_15)'s exponents
+        # only), g_8 only exponents whose other terms share its sign: added, never cancelled
+        b_g0 = row_of(b_g, o_i, 0)
+        b_g8 = row_of(b_g, o_i, 8)
+        b_J = tl.cumsum(tl.where(((o_i == 0) | (o_i == 8))[:, None], 0.0, b_g), 0)
+        b_J15 = row_of(b_J, o_i, 15)
+        m_lo = (o_i < 8)[:, None]
+        b_g8lo = tl.where(m_lo, b_g8[None, :], 0.0)  # g_8 on the first half's rows
+        b_g8hi = tl.where(m_lo, 0.0, b_g8[None, :])  # and on the second half's
+        b_m = b_J - row_of(b_J, o_i, 8)[None, :] - b_g8lo  # G - G_8; a gate beyond SPAN shows on some row
         if tl.max(tl.abs(b_m)) <= SPAN:
+            # |J| <= 2 SPAN: its differences are off by about 2e-5 at most
             b_Aqk, b_Akk = _middle_anchor(b_q, b_k, tl.exp2(b_m), tl.exp2(-b_m), PREC)
+            b_ed = tl.exp2(b_J15[None, :] - b_J + b_g8lo)  # e^(G_15 - G)
         else:
-            b_Aqk = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)  # factor 1
-            b_Akk = tl.zeros([16, 16], tl.float32)
-            for lvl in tl.static_range(4):
-                m_l, b_r, b_f = split_level(b_g, b_gn, o_i, 8 >> lvl)
-                b_c = tl.trans(b_k * b_f)
-                b_Aqk += tl.where(m_l, prod(b_q * b_r, b_c, PREC), 0.0)
-                b_Akk += tl.where(m_l, prod(b_k * b_r, b_c, PREC), 0.0)
-        b_e = tl.exp2(b_G)
-        b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G as the sum of the gates after each token
+            # each half anchored at its middle token, the second half's rows against the first half's
+            # columns at token 7 (factors <= 1), on gates clamped at -CLAMP: a pair whose span holds a
+            # clamped gate has both its factor and the exact one below 2^-CLAMP (an error of at most
+            # 2^-CLAMP |q_d k_d|)
+            b_gc = tl.maximum(b_g, -CLAMP)
+            # clamped gates summed within each half: 1..i (i < 8), 9..i (i >= 8); at most 7 CLAMP
+            b_Jc = tl.cumsum(tl.where(((o_i == 0) | (o_i == 8))[:, None], 0.0, b_gc), 0)
+            b_Jc = tl.where(m_lo, b_Jc, tl.cumsum(tl.where(o_i[:, None] > 8, b_gc, 0.0), 0))
+            b_n = b_Jc - tl.where(m_lo, row_of(b_Jc, o_i, 4)[None, :], row_of(b_Jc, o_i, 12)[None, :])  # G - G_4, G - G_12
+            # rows >= 8: G - G_7 - g_8; columns < 8: G - G_7
+            b_x = tl.where(m_lo, b_Jc - row_of(b_Jc, o_i, 7)[None, :], b_Jc)
+            b_Aqk, b_Akk = _halves(b_q, b_k, b_n, b_x, row_of(b_gc, o_i, 8), o_i, PREC)
+            b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
+            b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G: the sum of the gates after each token
+        # Aqk's diagonal (factor 1) from float32 operands: where decays are strong it is the larger part
+        # of Aqk, which the products' rounded operands would make as coarse as they are
+        b_Aqk = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], b_Aqk)
+        b_e = tl.exp2(b_J + b_g0[None, :] + b_g8hi)
+        b_G15 = b_J15 + b_g0 + b_g8
     b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk * scale, 0.0)
-    b_X = inv_unit_lower(tl.where(o_i[:, None] > o_i[None, :], b_Akk * b_b[:, None], 0.0), o_i)
+    b_X = inv_unit_lower(tl.where(o_i[:, None] > o_i[None, :], b_Akk * b_b[:, None], 0.0), o_i, INV_PREC)
 
     store_tile(Aqk, b_Aqk, bos, t0, T_seq, i_hv, HV, 16, o_i, o_i)
     store_tile(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
     store_tile(kd, b_k * b_ed, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
     store_tile(w, prod(b_X, b_k * b_b[:, None] * b_e, PREC), bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
-    tl.store(gl + i_p * K + o_k, tl.exp2(tl.sum(b_g, 0)), mask=m_k)
+    tl.store(gl + i_p * K + o_k, tl.exp2(b_G15), mask=m_k)
     if FORM_U:
         tl.store(xs + i_p * 256 + o_i[:, None] * 16 + o_i[None, :], b_X)
     else:
@@ -157,5 +198,5 @@ def short_stage1(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs,
                opts.scale, **gate_launch(opts, x.A_log, x.dt_bias), T=T, H=H, HV=HV, K=K, V=V, BK=sp.BK, BV=sp.BV,
                FAST=sp.softplus_form, L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
                IS_VARLEN=x.cu_seqlens is not None, HEADS_FIRST=sp.heads_first, BOUNDED=sp.bounded, PREC=sp.prec,
-               FORM_U=sp.form_u, **sp.launch.kwargs())
+               INV_PREC=sp.inv_prec, FORM_U=sp.form_u, **sp.launch.kwargs())
     return ShortStage1(w, u, xs, qg, kd, Aqk, gl, chunk_indices, chunk_offsets, NT)

@@ -124,13 +124,26 @@ def rnorm(b_ss, L2NORM: tl.constexpr):
 
 
 @triton.jit
-def load_beta(beta, bos, t0, T_seq, i_hv, o_i, HV: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr):
+def load_beta_raw(beta, bos, t0, T_seq, i_hv, o_i, HV: tl.constexpr):
+    """beta of rows t0 + o_i as stored (0 past the sequence): a load whose first use can wait
+    (the scan loads the next chunk's a step ahead and activates it there, with ``activate_beta``)."""
     o_t = t0 + o_i
-    m_t = o_t < T_seq
-    b_b = tl.load(beta + (bos + o_t).to(tl.int64) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    return tl.load(beta + (bos + o_t).to(tl.int64) * HV + i_hv, mask=o_t < T_seq, other=0.0)
+
+
+@triton.jit
+def activate_beta(b_raw, t0, T_seq, o_i, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr):
+    """beta of rows t0 + o_i from its stored values, float32 (sigmoid(.) * BETA_SCALE with SIGMOID),
+    0 past the sequence."""
+    b_b = b_raw.to(tl.float32)
     if SIGMOID:
         b_b = tl.sigmoid(b_b) * BETA_SCALE
-    return tl.where(m_t, b_b, 0.0)
+    return tl.where(t0 + o_i < T_seq, b_b, 0.0)
+
+
+@triton.jit
+def load_beta(beta, bos, t0, T_seq, i_hv, o_i, HV: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr):
+    return activate_beta(load_beta_raw(beta, bos, t0, T_seq, i_hv, o_i, HV), t0, T_seq, o_i, SIGMOID, BETA_SCALE)
 
 
 @triton.jit
@@ -145,14 +158,15 @@ def store_block(x, b_x, row, col, C: tl.constexpr, o_i):
 
 
 @triton.jit
-def inv_unit_lower(b_L, o_i):
+def inv_unit_lower(b_L, o_i, PREC: tl.constexpr):
     """(I + L)^-1 for a strictly lower triangular 16x16 L: L^16 = 0, so with N = -L it is
-    (I + N)(I + N^2)(I + N^4)(I + N^8); six small products instead of a serial substitution."""
+    (I + N)(I + N^2)(I + N^4)(I + N^8); six small products (at prod's PREC) instead of a serial
+    substitution."""
     b_N = -b_L
     b_X = b_N + tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
     for _ in tl.static_range(3):
-        b_N = tl.dot(b_N, b_N, input_precision="ieee")
-        b_X += tl.dot(b_X, b_N, input_precision="ieee")
+        b_N = prod(b_N, b_N, PREC)
+        b_X += prod(b_X, b_N, PREC)
     return b_X
 
 
@@ -219,6 +233,21 @@ def split_level(b_g, b_gn, o_i, H: tl.constexpr):
     b_n = tl.where((o_i % H < H - 1)[:, None], b_gn, 0.0)  # the gates after each token, within its H-segment
     b_b = tl.reshape(tl.cumsum(tl.reshape(b_n, [16 // H, H, BS]), 1, reverse=True), [16, BS])
     return m, tl.exp2(b_f), tl.exp2(b_b)
+
+
+@triton.jit
+def level_products(b_q, b_k, b_g, b_gn, o_i, PREC: tl.constexpr):
+    """(Aqk, Akk) [16, 16] of a 16-token block for any gate, unscaled, lower entries only (Akk's
+    diagonal left 0): the four half-segment levels (split_level) of its feature columns b_q, b_k
+    [16, BS], with the gates b_g and the next tokens' b_gn, plus the diagonal of Aqk (factor 1)."""
+    b_Aqk = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
+    b_Akk = tl.zeros([16, 16], tl.float32)
+    for lvl in tl.static_range(4):
+        m_l, b_r, b_f = split_level(b_g, b_gn, o_i, 8 >> lvl)
+        b_c = tl.trans(b_k * b_f)
+        b_Aqk += tl.where(m_l, prod(b_q * b_r, b_c, PREC), 0.0)
+        b_Akk += tl.where(m_l, prod(b_k * b_r, b_c, PREC), 0.0)
+    return b_Aqk, b_Akk
 
 
 @triton.jit
@@ -292,9 +321,17 @@ def state_ptrs(base, o_k, o_v, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl.con
 
 
 @triton.jit
+def chunk_decay(gl, c_off, i_t, T_seq, i_hv, o_k, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+    """Chunk i_t's decay gl [BK] (float32); 1 for a chunk past the sequence (nothing read)."""
+    return tl.load(gl + ((c_off + i_t) * HV + i_hv) * K + o_k, mask=(o_k < K) & (i_t * C < T_seq), other=1.0)
+
+
+@triton.jit
 def chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV: tl.constexpr, K: tl.constexpr,
-                   C: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
-    """Chunk i_t's w, qg, kd [C, BK] and Aqk [C, C] (lower triangle) as product operands, gl [BK]."""
+                   C: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr, A_FULL: tl.constexpr = False):
+    """Chunk i_t's w, qg, kd [C, BK] and Aqk [C, C] (lower triangle) as product operands, gl [BK].
+    A_FULL: stage 1 wrote Aqk's whole [C, C] block, zeros above the diagonal, so that its rows load
+    without the triangle's mask (as bulk asynchronous copies)."""
     o_c = tl.arange(0, C)
     o_t = i_t * C + o_c
     m_t = o_t < T_seq
@@ -303,7 +340,10 @@ def chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV: tl
     b_w = as_operand(tl.load(w + r_t * K + o_k[None, :], mask=m_tk, other=0.0), DT, EMU)  # w, qg, kd: [B, T, HV, K]
     b_qg = as_operand(tl.load(qg + r_t * K + o_k[None, :], mask=m_tk, other=0.0), DT, EMU)
     b_kd = as_operand(tl.load(kd + r_t * K + o_k[None, :], mask=m_tk, other=0.0), DT, EMU)
-    m_A = m_t[:, None] & (o_c[:, None] >= o_c[None, :])
+    if A_FULL:
+        m_A = m_t[:, None] & (o_c < C)[None, :]
+    else:
+        m_A = m_t[:, None] & (o_c[:, None] >= o_c[None, :])
     b_A = as_operand(tl.load(Aqk + r_t * C + o_c[None, :], mask=m_A, other=0.0), DT, EMU)
-    b_gl = tl.load(gl + ((c_off + i_t) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)
+    b_gl = chunk_decay(gl, c_off, i_t, T_seq, i_hv, o_k, HV, K, C)
     return b_w, b_qg, b_kd, b_A, b_gl

@@ -59,8 +59,8 @@ def kda_fwd_inverse_kernel(
     b_b0 = load_beta(beta, bos, t0, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)[:, None]
     b_b1 = load_beta(beta, bos, t0 + 16, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)[:, None]
     b_L10 = _l_block(ls, b_b1, 1, 0, C, o_i)
-    b_X00 = inv_unit_lower(_l_block(ls, b_b0, 0, 0, C, o_i), o_i)
-    b_X11 = inv_unit_lower(_l_block(ls, b_b1, 1, 1, C, o_i), o_i)
+    b_X00 = inv_unit_lower(_l_block(ls, b_b0, 0, 0, C, o_i), o_i, "ieee")
+    b_X11 = inv_unit_lower(_l_block(ls, b_b1, 1, 1, C, o_i), o_i, "ieee")
     b_X10 = -prod(b_X11, prod(b_L10, b_X00, "ieee"), "ieee")
     _store_x(xs, xh, b_X00, 0, 0, C, o_i, X_COPY)
     _store_x(xs, xh, b_X11, 1, 1, C, o_i, X_COPY)
@@ -73,8 +73,8 @@ def kda_fwd_inverse_kernel(
         b_L30 = _l_block(ls, b_b3, 3, 0, C, o_i)
         b_L31 = _l_block(ls, b_b3, 3, 1, C, o_i)
         b_L32 = _l_block(ls, b_b3, 3, 2, C, o_i)
-        b_X22 = inv_unit_lower(_l_block(ls, b_b2, 2, 2, C, o_i), o_i)
-        b_X33 = inv_unit_lower(_l_block(ls, b_b3, 3, 3, C, o_i), o_i)
+        b_X22 = inv_unit_lower(_l_block(ls, b_b2, 2, 2, C, o_i), o_i, "ieee")
+        b_X33 = inv_unit_lower(_l_block(ls, b_b3, 3, 3, C, o_i), o_i, "ieee")
         b_X21 = -prod(b_X22, prod(b_L21, b_X11, "ieee"), "ieee")
         b_X20 = -prod(b_X22, prod(b_L20, b_X00, "ieee") + prod(b_L21, b_X10, "ieee"), "ieee")
         b_X32 = -prod(b_X33, prod(b_L32, b_X22, "ieee"), "ieee")
