@@ -59,10 +59,11 @@ class TritonBackend(Backend):
         return False, f"tensors on {t.device.type} (needs an NVIDIA GPU, or TRITON_INTERPRET=1 with CPU tensors)"
 
     def verify(self, op, opts, inputs):
-        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-        for t in inputs:
-            if isinstance(t, torch.Tensor) and wrapped(t):
-                return False, "torch.func transforms (grad, vjp, vmap): the kernels take plain tensors only"
+        if torch._C._are_functorch_transforms_active():  # wrapped tensors live only inside a transform
+            wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+            for t in inputs:
+                if isinstance(t, torch.Tensor) and wrapped(t):
+                    return False, "torch.func transforms (grad, vjp, vmap): the kernels take plain tensors only"
         if op.startswith("kda_gate"):  # inputs: (g, A_log, dt_bias[, cu_seqlens, its host copy])
             ok, reason = self._device_ok(inputs[0])
             if not ok:
