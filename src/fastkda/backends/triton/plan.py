@@ -322,6 +322,7 @@ class ScanPlan:
     output: Launch
     chunk: int  # tokens per step (the call's chunk size, 16 on the short path)
     u_prec: str  # the product u = X (beta v) where the scan forms u
+    h_state_layout: bool  # h in the state's layout (V-first states: [V, K]); h kept or split: [K, V]
     a_full: bool = False  # stage 1 wrote Aqk's whole chunk blocks, zeros above the diagonal (short path)
 
 
@@ -522,7 +523,8 @@ def _scan(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, chunks: int, out
     return ScanPlan(outputs=outputs, keep=keep, form_u=form_u, BV=BV,
                     launch=Launch(scan_warps(tuning.scan_warps, BK, BV), stages),
                     split_output=split, output_bv=min(pow2(s.V), tuning.output_bv), output=tuning.output,
-                    chunk=opts.chunk_size, u_prec=s1.wu_prec if form_u else dot_prec)
+                    chunk=opts.chunk_size, u_prec=s1.wu_prec if form_u else dot_prec,
+                    h_state_layout=opts.state_v_first and not (keep or split))
 
 
 def short_path(opts: KDAOptions, dtype: torch.dtype, train: bool, tuning: Tuning, pairs: int) -> bool:
@@ -573,7 +575,8 @@ def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, do
                     launch=Launch(scan_warps(tuning.scan_warps, BK, bv),
                                   scan_stages(tuning.short_scan_stages, BK, bv, dtype.itemsize)),
                     split_output=False, output_bv=min(BV, tuning.output_bv), output=tuning.output, chunk=16,
-                    u_prec="tf32" if dtype == torch.bfloat16 else dot.prec, a_full=True)
+                    u_prec="tf32" if dtype == torch.bfloat16 else dot.prec, h_state_layout=opts.state_v_first,
+                    a_full=True)
     return sp, scan
 
 

@@ -124,7 +124,7 @@ def fwd_scan(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, w, u, xs, qg, kd
                kd, Aqk, gl, x.initial_state, ht, h, o_scan, vn, x.cu_seqlens, chunk_offsets, T,
                HV=HV, K=K, V=V, C=C, BK=BK, BV=scan.BV, USE_H0=x.initial_state is not None, STORE_HT=ht is not None,
                STORE_H=h is not None, STORE_O=o_scan is not None, STORE_VN=vn is not None,
-               V_FIRST=opts.state_v_first, H_V_FIRST=opts.state_v_first and not (scan.keep or scan.split_output),
+               V_FIRST=opts.state_v_first, H_V_FIRST=scan.h_state_layout,
                IS_VARLEN=x.cu_seqlens is not None, DT=dot.dtype, PREC=dot.prec, EMU=dot.emulate, U_IN=scan.form_u,
                U_PREC=scan.u_prec, SIGMOID=opts.beta_sigmoid,
                BETA_SCALE=opts.beta_scale, A_FULL=scan.a_full, **scan.launch.kwargs())
