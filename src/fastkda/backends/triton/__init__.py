@@ -21,7 +21,7 @@ import torch
 from ... import platform
 from ..registry import Backend, forced_backend, needs_grad
 from .function import chunk_forward, chunk_kda_autograd, chunk_kda_vjp, plan_of
-from .plan import pow2
+from .plan import current_tuning, gate_plan, pow2
 from .recurrent import decode_call_of, describe_error, recurrent_forward, take_error_code
 from . import gate as gate_kernels
 
@@ -115,7 +115,7 @@ class TritonBackend(Backend):
         return describe_error(code) if code else None
 
     def kda_gate(self, opts, inputs):
-        return gate_kernels.gate_forward(opts, *inputs)
+        return gate_kernels.gate_forward(opts, gate_plan(inputs[0].shape[-1], current_tuning()), *inputs)
 
     def kda_gate_chunk_cumsum(self, opts, inputs):
         return gate_kernels.gate_chunk_cumsum(opts, *inputs)

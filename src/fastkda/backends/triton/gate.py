@@ -9,7 +9,7 @@ import triton.language as tl
 
 from ...alloc import new_empty
 from .common import activate_gate, chunk_location, chunk_tables, contiguous, gate_backward, gate_launch, launch
-from .plan import cdiv, current_tuning, pow2
+from .plan import GatePlan, cdiv, pow2
 
 
 @triton.jit
@@ -69,16 +69,15 @@ def kda_gate_cumsum_kernel(g, A_log, dt_bias, y, cu_seqlens, chunk_indices, lowe
 
 class _GateFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, g, A_log, dt_bias, opts):
+    def forward(ctx, g, A_log, dt_bias, opts, plan: GatePlan):
         HV, K = g.shape[-2:]
         g2 = g.contiguous().view(-1, HV, K)
         R = g2.shape[0]
         y = new_empty(*g.shape, dtype=opts.output_dtype, device=g.device)
-        rows = current_tuning().gate_rows
         if R:
-            launch(kda_gate_fwd_kernel, (cdiv(R, rows), HV),
-                g2, A_log, dt_bias, y, R=R, HV=HV, K=K, BK=pow2(K, 1), BR=rows, **gate_launch(opts, A_log, dt_bias))
-        ctx.rows = rows
+            launch(kda_gate_fwd_kernel, (cdiv(R, plan.rows), HV),
+                g2, A_log, dt_bias, y, R=R, HV=HV, K=K, BK=plan.BK, BR=plan.rows, **gate_launch(opts, A_log, dt_bias))
+        ctx.plan = plan
         ctx.save_for_backward(g2, A_log, dt_bias)
         ctx.opts, ctx.shape, ctx.dtype = opts, g.shape, g.dtype
         return y
@@ -88,22 +87,22 @@ class _GateFunction(torch.autograd.Function):
         g2, A_log, dt_bias = ctx.saved_tensors
         opts = ctx.opts
         R, HV, K = g2.shape
-        rows = ctx.rows
-        nr = cdiv(R, rows)
+        plan = ctx.plan
+        nr = cdiv(R, plan.rows)
         dg = new_empty(R, HV, K, dtype=ctx.dtype, device=g2.device)
         dA_part = new_empty(nr, HV, dtype=torch.float32, device=g2.device) if A_log is not None else None
         db_part = new_empty(nr, HV, K, dtype=torch.float32, device=g2.device) if dt_bias is not None else None
         if R:
             launch(kda_gate_bwd_kernel, (nr, HV),
                 g2, A_log, dt_bias, dy.contiguous().view(R, HV, K), dg, dA_part, db_part, R=R, HV=HV, K=K,
-                BK=pow2(K, 1), BR=rows, **gate_launch(opts, A_log, dt_bias))
+                BK=plan.BK, BR=plan.rows, **gate_launch(opts, A_log, dt_bias))
         dA = dA_part.sum(0).view_as(A_log).to(A_log.dtype) if A_log is not None else None
         db = db_part.sum(0).view_as(dt_bias).to(dt_bias.dtype) if dt_bias is not None else None
-        return dg.view(ctx.shape), dA, db, None
+        return dg.view(ctx.shape), dA, db, None, None
 
 
-def gate_forward(opts, g, A_log, dt_bias):
-    return _GateFunction.apply(g, contiguous(A_log), contiguous(dt_bias), opts)  # the kernels index them densely
+def gate_forward(opts, plan: GatePlan, g, A_log, dt_bias):
+    return _GateFunction.apply(g, contiguous(A_log), contiguous(dt_bias), opts, plan)  # the kernels index them densely
 
 
 def gate_chunk_cumsum(opts, g, A_log, dt_bias, cu_seqlens, cu_host):

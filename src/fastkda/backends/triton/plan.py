@@ -629,6 +629,17 @@ def chunk_plan(opts: KDAOptions, dtype: torch.dtype, train: bool, chunks: int, d
     return ChunkPlan(train=train, dot=dot, chunks=chunks, stage1=s1, forward=fwd, recompute=recompute, backward=bwd)
 
 
+class GatePlan(NamedTuple):
+    """The elementwise gate kernels' tiles (gate.py): rows of [rows, BK] per program."""
+
+    rows: int
+    BK: int
+
+
+def gate_plan(K: int, tuning: Tuning) -> GatePlan:
+    return GatePlan(tuning.gate_rows, pow2(K, 1))
+
+
 # ------------------------------------------------------------------------------------------------
 # decoding
 
