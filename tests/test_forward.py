@@ -638,6 +638,31 @@ def test_softplus_forms(fast, rng):
     assert bool((err <= 3e-7 + 1e-7 * want).all()), (fast, err.max().item())
 
 
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("fast", [0, 2])
+def test_sigmoid_forms(fast, rng):
+    """common.sigmoid's forms against float64 on [-100, 100] and random inputs: tl.sigmoid (0) and
+    the hardware's ex2.approx and rcp.approx (2, GPU only), off by at most 4e-7 relative plus 1e-9
+    (ex2.approx's 2 ulp and rcp.approx's 1 ulp, with margin; far out, the float32 rounding of the
+    exponent's argument makes the relative error of values below 1e-9 grow, as for any float32
+    sigmoid); exactly 0, 1 and 0.5 at -1e4, 1e4 and 0, NaN kept. A wrong constant fails it."""
+    from triton_probes import sigmoid_kernel
+
+    if fast == 2 and not GPU:
+        pytest.skip("inline assembly: GPU only")
+    x = torch.cat([torch.linspace(-100.0, 100.0, 1024, dtype=torch.float64),
+                   torch.randn(1020, generator=rng, dtype=torch.float64) * 4,
+                   torch.tensor([-1e4, 1e4, 0.0, float("nan")], dtype=torch.float64)]).float().to(DEVICE)
+    y = torch.full_like(x, float("nan"))
+    sigmoid_kernel[(1,)](x, y, N=x.numel(), FAST=fast)
+    want = torch.sigmoid(x.double())
+    assert bool(torch.isnan(y[-1])), "NaN in, NaN out"
+    y, want = y[:-1].double(), want[:-1]
+    err = (y - want).abs() - 4e-7 * want
+    assert bool((err <= 1e-9).all()), (fast, err.max().item())
+    assert y[-3].item() == 0.0 and y[-2].item() == 1.0 and y[-1].item() == 0.5, y[-3:].tolist()
+
+
 def _round_tf32(x: torch.Tensor) -> torch.Tensor:
     """float32 to the nearest tf32, ties away from zero, by the integer bits (int64: no overflow);
     infinities and NaNs as they are."""

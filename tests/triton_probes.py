@@ -4,7 +4,7 @@ inside the tests, so that the test modules load without Triton)."""
 import triton
 import triton.language as tl
 
-from fastkda.backends.triton.common import softplus
+from fastkda.backends.triton.common import sigmoid, softplus
 from fastkda.backends.triton.tiles import exclusive_cumsum, prod, round_tf32
 from fastkda.backends.triton.chunk_gates import exact_cumsum
 
@@ -30,6 +30,13 @@ def softplus_kernel(x, y, N: tl.constexpr, FAST: tl.constexpr):
     """y [N] = common.softplus(x [N], FAST)."""
     o = tl.arange(0, N)
     tl.store(y + o, softplus(tl.load(x + o), FAST))
+
+
+@triton.jit
+def sigmoid_kernel(x, y, N: tl.constexpr, FAST: tl.constexpr):
+    """y [N] = common.sigmoid(x [N], FAST)."""
+    o = tl.arange(0, N)
+    tl.store(y + o, sigmoid(tl.load(x + o), FAST))
 
 
 @triton.jit
