@@ -59,7 +59,9 @@ class TritonBackend(Backend):
         return False, f"tensors on {t.device.type} (needs an NVIDIA GPU, or TRITON_INTERPRET=1 with CPU tensors)"
 
     def verify(self, op, opts, inputs):
-        if torch._C._are_functorch_transforms_active():  # wrapped tensors live only inside a transform
+        # wrapped tensors are made inside a transform; one that escaped it is refused by any kernel
+        # launch all the same (no data pointer), only with torch's message
+        if torch._C._are_functorch_transforms_active():
             wrapped = torch._C._functorch.is_functorch_wrapped_tensor
             for t in inputs:
                 if isinstance(t, torch.Tensor) and wrapped(t):
