@@ -20,7 +20,7 @@ from ...alloc import new_empty
 from ...options import KDAOptions
 from .common import launch, seq_grid, seq_program, sequence_location
 from .plan import ChunkPlan, pow2
-from .tiles import as_operand, chunk_operands, prod, state_ptrs
+from .tiles import as_operand, chunk_decay, chunk_operands, prod, state_ptrs
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -51,8 +51,8 @@ def kda_bwd_scan_kernel(
         r_t = o_t.to(tl.int64)[:, None]
         p_dh, m_h = state_ptrs(dhs + ((c_off + i_t) * HV + i_hv) * K * V, o_k, o_v, K, V, False)
         tl.store(p_dh, b_dH, mask=m_h)
-        b_w, b_qg, b_kd, b_A, b_gl = chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV, K, C,
-                                                    DT, EMU)
+        b_w, b_qg, b_kd, b_A = chunk_operands(w, qg, kd, Aqk, bos, i_hv, i_t, T_seq, o_k, HV, K, C, DT, EMU, False)
+        b_gl = chunk_decay(gl, c_off, i_t, T_seq, i_hv, o_k, HV, K, C)
         m_tv = (o_t < T_seq)[:, None] & m_v[None, :]
         b_do = as_operand(tl.load(do + o_uv + r_t * (HV * V), mask=m_tv, other=0.0), DT, EMU)  # [C, BV]
 

@@ -62,8 +62,7 @@ def kda_fwd_scan_kernel(
         if STORE_H:
             p_h, m_h = state_ptrs(h + ((c_off + i_t) * HV + i_hv) * K * V, o_k, o_v, K, V, H_V_FIRST)
             tl.store(p_h, b_S.to(h.dtype.element_ty), mask=m_h)
-        b_w, b_qg, b_kd, b_A, _ = chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV, K, C, DT,
-                                                 EMU, A_FULL)
+        b_w, b_qg, b_kd, b_A = chunk_operands(w, qg, kd, Aqk, bos, i_hv, i_t, T_seq, o_k, HV, K, C, DT, EMU, A_FULL)
         b_gl = b_gln
         b_gln = chunk_decay(gl, c_off, i_t + 1, T_seq, i_hv, o_k, HV, K, C)
         if U_IN:  # independent of the state: the loads and the product overlap the chain of S

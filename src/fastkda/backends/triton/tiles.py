@@ -327,11 +327,11 @@ def chunk_decay(gl, c_off, i_t, T_seq, i_hv, o_k, HV: tl.constexpr, K: tl.conste
 
 
 @triton.jit
-def chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV: tl.constexpr, K: tl.constexpr,
-                   C: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr, A_FULL: tl.constexpr = False):
-    """Chunk i_t's w, qg, kd [C, BK] and Aqk [C, C] (lower triangle) as product operands, gl [BK].
-    A_FULL: stage 1 wrote Aqk's whole [C, C] block, zeros above the diagonal, so that its rows load
-    without the triangle's mask (as bulk asynchronous copies)."""
+def chunk_operands(w, qg, kd, Aqk, bos, i_hv, i_t, T_seq, o_k, HV: tl.constexpr, K: tl.constexpr,
+                   C: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr, A_FULL: tl.constexpr):
+    """Chunk i_t's w, qg, kd [C, BK] and Aqk [C, C] (lower triangle) as product operands (its decay:
+    chunk_decay). A_FULL: stage 1 wrote Aqk's whole [C, C] block, zeros above the diagonal, so that
+    its rows load without the triangle's mask (as bulk asynchronous copies)."""
     o_c = tl.arange(0, C)
     o_t = i_t * C + o_c
     m_t = o_t < T_seq
@@ -345,5 +345,4 @@ def chunk_operands(w, qg, kd, Aqk, gl, bos, i_hv, c_off, i_t, T_seq, o_k, HV: tl
     else:
         m_A = m_t[:, None] & (o_c[:, None] >= o_c[None, :])
     b_A = as_operand(tl.load(Aqk + r_t * C + o_c[None, :], mask=m_A, other=0.0), DT, EMU)
-    b_gl = chunk_decay(gl, c_off, i_t, T_seq, i_hv, o_k, HV, K, C)
-    return b_w, b_qg, b_kd, b_A, b_gl
+    return b_w, b_qg, b_kd, b_A
