@@ -17,6 +17,7 @@ import functools
 import importlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -405,18 +406,34 @@ def _graph_ms(call):
         return None
 
 
-def _host_us(call, n=2000):
-    """Host time per call in microseconds: n calls issued back to back (the GPU keeps up with one
-    token of one sequence), the clock read before the final synchronisation."""
-    for _ in range(20):
-        call()
+def _host_us(calls: dict, rounds=7, n=1000) -> dict:
+    """Host time per call in microseconds of each of ``calls`` (name -> call): rounds of n calls
+    issued back to back (the GPU keeps up with one token of one sequence), the clock read before
+    the round's final synchronisation; the calls take turns round by round, so that a host that
+    slows down for a while slows them alike; the median round of each."""
+    times = {name: [] for name in calls}
+    for call in calls.values():
+        for _ in range(20):
+            call()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        call()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    for _ in range(rounds):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                call()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            times[name].append((t1 - t0) / n * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _decode_call(lib, fn, x, kw, pool, slots):
+    """One decode step of ``lib``: fastkda in place on the pool's slots, fla-core from and to
+    per-sequence float32 states."""
+    if lib == "fastkda":
+        return lambda: fn(*x, initial_state=pool, ssm_state_indices=slots, inplace_final_state=True, **kw)
+    h0 = pool[:slots.shape[0]].clone()
+    return lambda: fn(*x, initial_state=h0, output_final_state=True, **kw)
 
 
 def _decode_inputs(N, H, HV, K=128, pool_dtype=torch.float32, seed=0, device="cuda"):
@@ -474,26 +491,28 @@ def bench_decode(cases):
     rows = []
     for N, H, HV, K in cases:
         row = {"N": N, "H": H, "HV": HV, "K": K}
+        calls = {}
         for lib, fn in impls.items():
             for pool_dtype in (DECODE_POOLS if lib == "fastkda" else DECODE_POOLS[:1]):
                 x, kw, pool, slots = _decode_inputs(N, H, HV, K, pool_dtype)
-                if lib == "fastkda":
-                    call = lambda: fn(*x, initial_state=pool, ssm_state_indices=slots, inplace_final_state=True, **kw)  # noqa: E731
-                else:
-                    h0 = pool[:N].clone()
-                    call = lambda: fn(*x, initial_state=h0, output_final_state=True, **kw)  # noqa: E731
+                call = _decode_call(lib, fn, x, kw, pool, slots)
                 state_bytes = 2 * N * HV * K * K * pool.element_size()  # read + write every state
                 with torch.inference_mode():
                     call()
                     ms = tt.do_bench(call, warmup=25, rep=200, return_mode="median")
                     ms_g = _graph_ms(call)
-                    host = _host_us(call) if N == 1 else None
                 key = lib if pool_dtype == torch.float32 else f"{lib} {str(pool_dtype)[6:]}"
+                calls[key] = call
                 row[key] = {"ms": ms, "graph_ms": ms_g, "graph_tbps": state_bytes / ms_g / 1e9 if ms_g else None,
-                            "host_us": host}
+                            "host_us": None}
                 print(f"decode N={N:4d} H={H} HV={HV} K={K} {key:16s} eager {ms:.4f} ms  graph {ms_g or float('nan'):.4f} ms  "
-                      f"{state_bytes / (ms_g or ms) / 1e9:.2f} TB/s" + (f"  host {host:.1f} us/call" if host else ""),
-                      flush=True)
+                      f"{state_bytes / (ms_g or ms) / 1e9:.2f} TB/s", flush=True)
+        if N == 1:  # the host's time per call, the libraries taking turns
+            with torch.inference_mode():
+                for key, host in _host_us(calls).items():
+                    row[key]["host_us"] = host
+                    print(f"decode N=1 H={H} HV={HV} K={K} {key:16s} host {host:.1f} us/call (median of rounds)",
+                          flush=True)
         rows.append(row)
     sweep, K = [], 128
     for pool_dtype in DECODE_POOLS:
@@ -680,7 +699,8 @@ def render_decode(res):
             hosts.append(f"H={r['H']}: fastkda {a['host_us']:.1f} us (bf16 pool {f(h.get('host_us'), '.1f')} us), "
                          f"fla-core {f(b.get('host_us'), '.1f')} us")
     if hosts:
-        md += ["", "Host time per eager call at N = 1 (calls issued back to back): " + "; ".join(hosts) + "."]
+        md += ["", "Host time per eager call at N = 1 (rounds of 1000 calls issued back to back, the libraries "
+               "taking turns round by round; the median round): " + "; ".join(hosts) + "."]
     if errors:
         md += ["", f"Error of a pool's dtype: {next(iter(errors.values()))['steps']} decode steps of N=64 sequences, "
                "H=HV=16, against the float64 per-token reference from the same start (relative RMS): " + "; ".join(
