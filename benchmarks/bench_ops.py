@@ -383,6 +383,7 @@ DECODE_POOLS = (torch.float32, torch.bfloat16)
 DECODE_LAUNCH = [(64, 2, 1, 32), (64, 4, 1, 32), (64, 2, 1, 10**6), (32, 1, 1, 16), (32, 1, 1, 10**6), (64, 2, 2, 4),
                  (64, 2, 2, 32), (32, 1, 2, 16)]
 DECODE_ERROR_STEPS = 64
+HOST_ROUNDS, HOST_CALLS = 7, 1000  # host time per eager decode call: rounds of back-to-back calls
 
 
 def _graph_ms(call):
@@ -406,7 +407,7 @@ def _graph_ms(call):
         return None
 
 
-def _host_us(calls: dict, rounds=7, n=1000) -> dict:
+def _host_us(calls: dict, rounds=HOST_ROUNDS, n=HOST_CALLS) -> dict:
     """Host time per call in microseconds of each of ``calls`` (name -> call): rounds of n calls
     issued back to back (the GPU keeps up with one token of one sequence), the clock read before
     the round's final synchronisation; the calls take turns round by round, so that a host that
@@ -542,7 +543,8 @@ def bench_decode(cases):
                       f"(output and states vs the default launch: {err:.1e})", flush=True)
     errors = {str(dt)[6:]: decode_pool_error(dt) for dt in DECODE_POOLS}
     print("decode pool error vs float64:", errors, flush=True)
-    return {"rows": rows, "launch_sweep": sweep, "pool_error": errors}
+    return {"rows": rows, "launch_sweep": sweep, "pool_error": errors,
+            "host_method": {"rounds": HOST_ROUNDS, "calls": HOST_CALLS}}
 
 
 def run(args):
@@ -662,12 +664,12 @@ def render_backward(res):
 
 
 def render_decode(res):
-    rows = res["suites"].get("decode")
-    if not rows:
+    suite = res["suites"].get("decode")
+    if not suite:
         return
-    if isinstance(rows, list):  # results written before the decode suite kept its sweep beside the rows
-        rows = {"rows": rows}
-    sweep, errors, rows = rows.get("launch_sweep", []), rows.get("pool_error"), rows["rows"]
+    if isinstance(suite, list):  # results written before the decode suite kept its sweep beside the rows
+        suite = {"rows": suite}
+    sweep, errors, rows = suite.get("launch_sweep", []), suite.get("pool_error"), suite["rows"]
     bw = res["copy_tbps"]
     md = [f"{res['env']}, fla-core {res.get('fla_version')}; copy bandwidth {bw:.2f} TB/s.", "",
           "One token for each of N sequences, K=V, bf16 inputs, gate, l2norm and beta sigmoid in the kernel. "
@@ -699,8 +701,10 @@ def render_decode(res):
             hosts.append(f"H={r['H']}: fastkda {a['host_us']:.1f} us (bf16 pool {f(h.get('host_us'), '.1f')} us), "
                          f"fla-core {f(b.get('host_us'), '.1f')} us")
     if hosts:
-        md += ["", "Host time per eager call at N = 1 (rounds of 1000 calls issued back to back, the libraries "
-               "taking turns round by round; the median round): " + "; ".join(hosts) + "."]
+        how = suite.get("host_method")  # results of before the rounds: one loop per library
+        how = (f"{how['rounds']} rounds of {how['calls']} calls issued back to back, the libraries taking turns "
+               "round by round; the median round" if how else "calls issued back to back")
+        md += ["", f"Host time per eager call at N = 1 ({how}): " + "; ".join(hosts) + "."]
     if errors:
         md += ["", f"Error of a pool's dtype: {next(iter(errors.values()))['steps']} decode steps of N=64 sequences, "
                "H=HV=16, against the float64 per-token reference from the same start (relative RMS): " + "; ".join(

@@ -63,11 +63,16 @@ def test_bench_ops_render(tmp_path, sections, monkeypatch):
             in md), md
     assert "| 1 | 32 / 32 | 128 | 0.0080 | 0.50 (12%) | 0.0090 | 1.12x | 0.0100 | 0.0120 | - | - | - |" in md, md
     assert "H=32: fastkda 21.5 us (bf16 pool 22.0 us), fla-core 30.2 us" in md, md
+    assert "at N = 1 (calls issued back to back)" in md, md  # results without the method: one loop each
     assert "bfloat16 pool: outputs 3.0e-03, final states 4.0e-03" in md and "64 decode steps" in md
     assert "BV=16 1 warps, 32 programs per SM: 0.3600 ms (75%)" in md
     assert "BV=32 4 warps, 2 stages, one program per tile: - ms" in md
     assert "float32 pool (graph replays, % of copy bandwidth)" in md
     assert "bfloat16 pool (graph replays, % of copy bandwidth): BV=32 1 warps: 0.2000 ms." in md
+    res["suites"]["decode"]["host_method"] = {"rounds": 7, "calls": 1000}
+    bench_ops.render_decode(res)
+    assert ("at N = 1 (7 rounds of 1000 calls issued back to back, the libraries taking turns round by round; "
+            "the median round)" in sections["gpu-decode"]), sections["gpu-decode"]
 
 
 
