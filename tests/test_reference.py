@@ -72,3 +72,22 @@ def test_chunked_gradients_equal_recurrent(case, rng):
         assert (got is None) == (want is None), name
         if want is not None:
             check(f"d{name}", got, want, 1e-10)
+
+
+def test_gate_param_scales_of_negligible_slopes():
+    """Terms of dA_log and ddt_bias whose gate slope is at or below SLOPE_FLOOR (raw gates far down
+    a lower-bound gate) have no typical dgate to scale: their own magnitude |dg_raw| counts, so that
+    a head made only of such terms has the sum of their magnitudes as its scale, not 0 (a kernel's
+    bfloat16-level agreement would otherwise read as an unbounded error)."""
+    from fastkda.testing import SLOPE_FLOOR, gate_param_scales, gate_slope
+
+    B, T, HV, K = 1, 4, 1, 2
+    g = torch.full((B, T, HV, K), -80.0, dtype=torch.float64)
+    x = dict(g=g, A_log=torch.zeros(HV, dtype=torch.float64), dt_bias=torch.zeros(HV * K, dtype=torch.float64),
+             use_gate_in_kernel=True, lower_bound=-8.0)
+    slope = gate_slope(x)
+    assert (slope.abs() <= SLOPE_FLOOR).all()
+    dg_raw = torch.tensor([1e-30, -2e-30, 3e-30, 4e-30] * 2, dtype=torch.float64).view(B, T, HV, K)
+    scales = gate_param_scales(x, dg_raw, slope)
+    torch.testing.assert_close(scales["dt_bias"], dg_raw.abs().sum((0, 1)).reshape(-1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(scales["A_log"], (dg_raw.abs() * 80.0).sum((0, 1)).sum(-1), rtol=1e-12, atol=0)

@@ -256,8 +256,8 @@ def gate_param_scales(x: dict, dg_raw, slope=None):
     A term is slope * dgate (times a factor of A_log's chain rule), and a kernel's rounding of dgate
     is of the size of dgate's typical magnitude D in that head (the RMS of ref / slope where
     |slope| > 2^-100, as in gate_input_error), not of the value at that token, which may be a small
-    remainder of cancelling terms: the magnitude of a term is taken as |slope| D. ``slope``:
-    gate_slope(x), if the caller has it."""
+    remainder of cancelling terms: the magnitude of a term is taken as |slope| D (|dg_raw| where
+    |slope| <= SLOPE_FLOOR). ``slope``: gate_slope(x), if the caller has it."""
     if not x.get("use_gate_in_kernel") or dg_raw is None:
         return {}
     g = x["g"].detach().double()
@@ -267,7 +267,9 @@ def gate_param_scales(x: dict, dg_raw, slope=None):
     live, dgate = _dgate(dg_raw, slope)
     red = tuple(range(slope.dim() - 2))
     D = ((dgate**2).sum(red).sum(-1) / live.sum(red).sum(-1).clamp_min(1)).sqrt()  # per head   [HV]
-    dx = slope.abs() * D[:, None]  # the error scale of every term of dg
+    # the error scale of every term of dg; a term whose slope is at or below the floor has no dgate
+    # to speak of: its own magnitude (the reference's term, dg_raw itself) stands in
+    dx = torch.where(live, slope.abs() * D[:, None], dg_raw.detach().double().abs())
     out = {"dt_bias": dx.sum(red).reshape(-1)}
     if x.get("lower_bound") is not None:  # dA_log = sum dx * x
         out["A_log"] = (dx * xg.abs()).sum(red).sum(-1)
