@@ -813,3 +813,49 @@ def test_no_sequences(backend):
                 o, s = fn(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
                 assert o.shape == v.shape and s.shape == (0, 1, 16, 16), (fn.__name__, cu, o.shape, s.shape)
             assert kda_gate_chunk_cumsum(g, torch.zeros(1, device=DEVICE), 16, cu_seqlens=cu).shape == g.shape
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("path", ["short", "chunk"])
+@pytest.mark.parametrize("axis", ["state_v_first", "varlen", "bf16", "gva", "bf16_softplus_vfirst"])
+def test_scan_state_orientations(path, axis, rng, tune):
+    """The forward scan with the state held as [K, BV] and transposed ([BV, K], ScanPlan.state_t:
+    the short path's form) on the same stage 1, short or chunk-wide: both give the reference's
+    output and final state."""
+    import dataclasses
+
+    from fastkda.backends.triton import forward, scan, short
+    from fastkda.backends.triton.function import plan_of
+    from fastkda.options import chunk_options
+
+    case = short_case(axis).replace(initial_state=True, final_state=True)  # gates the short path takes
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    o_ref, s_ref = reference(x)
+    tensors = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+              use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+              lower_bound=None, disable_recompute=False, return_intermediate_states=False, state_v_first=False,
+              cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None, A_log=None, dt_bias=None,
+              chunk_size=case.chunk_size)
+    kw.update({n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")})
+    tune(short_min_pairs=1 if path == "short" else None)
+    tol = tol_for(case.dtype, "triton")
+    with torch.inference_mode():
+        opts, inp = chunk_options(*tensors, **kw)
+        plan = plan_of(opts, inp, train=False)
+        if path == "short":
+            assert plan.short is not None
+            s1 = short.short_stage1(opts, plan, inp, forward.chunk_tables_of(opts, inp.cu_seqlens, inp.cu_seqlens_cpu,
+                                                                             16))
+            xs = s1.xs
+        else:
+            assert plan.short is None
+            s1 = forward.stage1_wu(opts, plan, plan.forward, forward.stage1_intra(opts, plan, inp), inp)
+            xs = forward.wu_x(s1)
+        assert plan.forward.state_t == (path == "short")
+        for state_t in (False, True):
+            sc = dataclasses.replace(plan.forward, state_t=state_t)
+            o, ht, _, _ = scan.fwd_scan(opts, plan, sc, s1.w, s1.u, xs, s1.qg, s1.kd, s1.Aqk, s1.gl, s1.chunk_indices,
+                                        s1.chunk_offsets, s1.NT_total, inp)
+            check(f"o (state_t={state_t})", o, o_ref, tol)
+            check(f"final_state (state_t={state_t})", ht, s_ref, tol)

@@ -324,6 +324,7 @@ class ScanPlan:
     u_prec: str  # the product u = X (beta v) where the scan forms u
     h_state_layout: bool  # h in the state's layout (V-first states: [V, K]); h kept or split: [K, V]
     a_full: bool = False  # stage 1 wrote Aqk's whole chunk blocks, zeros above the diagonal (short path)
+    state_t: bool = False  # the state held transposed, [BV, K] (short path: docs/kernels.md)
 
 
 class SegmentOutput(NamedTuple):
@@ -576,7 +577,7 @@ def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, do
                                   scan_stages(tuning.short_scan_stages, BK, bv, dtype.itemsize)),
                     split_output=False, output_bv=min(BV, tuning.output_bv), output=tuning.output, chunk=16,
                     u_prec="tf32" if dtype == torch.bfloat16 else dot.prec, h_state_layout=opts.state_v_first,
-                    a_full=True)
+                    a_full=True, state_t=True)
     return sp, scan
 
 
