@@ -321,6 +321,7 @@ ANY_GATE = {  # unbounded gates (inference): (case, raw gates chunk by chunk, cy
 
 SHORT_EXTRA = {  # beside AXES (pre-gated ones made bounded: the short path takes non-positive gates only)
     "k48_v40": WHOLE_EXTRA["k48_v40"],
+    "k48_v40_vfirst": Case(T=90, K=48, V=40, gate="safe", state_v_first=True),
     "ragged_varlen_gva": WHOLE_EXTRA["ragged_varlen_gva"],
     "fp16_safe_gva": Case(seqlens=(17, 0, 40), H=2, HV=4, gate="safe", dtype=torch.float16, l2norm=True),
     "bf16_softplus_vfirst": Case(T=70, gate="softplus", dtype=torch.bfloat16, state_v_first=True, beta_sigmoid=True),
@@ -817,25 +818,27 @@ def test_no_sequences(backend):
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("path", ["short", "chunk"])
-@pytest.mark.parametrize("axis", ["state_v_first", "varlen", "bf16", "gva", "bf16_softplus_vfirst"])
+@pytest.mark.parametrize("axis", ["state_v_first", "varlen", "bf16", "gva", "bf16_softplus_vfirst", "k48_v40",
+                                  "k48_v40_vfirst"])
 def test_scan_state_orientations(path, axis, rng, tune):
     """The forward scan with the state held as [K, BV] and transposed ([BV, K], ScanPlan.state_t:
     the short path's form) on the same stage 1, short or chunk-wide: both give the reference's
-    output and final state."""
+    output and final state, and on the chunk-wide path its states at chunk starts (in the state's
+    layout); h and v' kept for the backward ([K, V] order) agree between the two forms."""
     import dataclasses
 
     from fastkda.backends.triton import forward, scan, short
     from fastkda.backends.triton.function import plan_of
     from fastkda.options import chunk_options
 
-    case = short_case(axis).replace(initial_state=True, final_state=True)  # gates the short path takes
+    case = short_case(axis).replace(initial_state=True, final_state=True)  # short_case: gates the short path takes
     x = make_inputs(case, device=DEVICE, generator=rng)
-    o_ref, s_ref = reference(x)
+    o_ref, s_ref, h_ref = reference(x, chunked=True, chunk_size=case.chunk_size, return_intermediate_states=True)
     tensors = [x[n] for n in ("q", "k", "v", "g", "beta")]
     kw = dict(scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
               use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
-              lower_bound=None, disable_recompute=False, return_intermediate_states=False, state_v_first=False,
-              cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None, A_log=None, dt_bias=None,
+              lower_bound=None, disable_recompute=False, return_intermediate_states=path == "chunk",
+              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None, A_log=None, dt_bias=None,
               chunk_size=case.chunk_size)
     kw.update({n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")})
     tune(short_min_pairs=1 if path == "short" else None)
@@ -853,9 +856,18 @@ def test_scan_state_orientations(path, axis, rng, tune):
             s1 = forward.stage1_wu(opts, plan, plan.forward, forward.stage1_intra(opts, plan, inp), inp)
             xs = forward.wu_x(s1)
         assert plan.forward.state_t == (path == "short")
+        kept = []
         for state_t in (False, True):
-            sc = dataclasses.replace(plan.forward, state_t=state_t)
-            o, ht, _, _ = scan.fwd_scan(opts, plan, sc, s1.w, s1.u, xs, s1.qg, s1.kd, s1.Aqk, s1.gl, s1.chunk_indices,
-                                        s1.chunk_offsets, s1.NT_total, inp)
+            def run(**changes):
+                sc = dataclasses.replace(plan.forward, state_t=state_t, **changes)
+                return scan.fwd_scan(opts, plan, sc, s1.w, s1.u, xs, s1.qg, s1.kd, s1.Aqk, s1.gl, s1.chunk_indices,
+                                     s1.chunk_offsets, s1.NT_total, inp)
+
+            o, ht, h, _ = run()
             check(f"o (state_t={state_t})", o, o_ref, tol)
             check(f"final_state (state_t={state_t})", ht, s_ref, tol)
+            if path == "chunk":
+                check(f"h (state_t={state_t})", h, h_ref, tol)
+            kept.append(run(keep=True, h_state_layout=False)[2:])
+        for name, a, b in zip(("h kept", "v' kept"), *kept):
+            check(name, b.float(), a.float(), tol)
