@@ -50,7 +50,7 @@ def test_short_path_choice(B, T, H, HV, dtype, kw, train, short):
     """The short path: inference calls of at least Tuning.short_min_pairs (48) sequence x value-head
     pairs with non-positive gates (bounded, or activated in the kernel), keys of at most 128 (values
     too for float16 inputs, which form u in stage 1), no intermediate states. Its scan steps 16 tokens, 64 value columns, 3 stages (2 for
-    float32); u formed there (X kept in float32) except for float16 inputs."""
+    float32), the state held transposed; u formed there (X kept in float32) except for float16 inputs."""
     opts = opts_for(B, T, H, HV, dtype=dtype, **kw)
     p = plan_for(opts, dtype, train=train, short_min_pairs=P.Tuning().short_min_pairs)
     assert (p.short is not None) is short
@@ -59,6 +59,7 @@ def test_short_path_choice(B, T, H, HV, dtype, kw, train, short):
         assert p.forward.form_u and p.short.form_u and p.short.bounded is opts.safe_gate
         assert p.stage1 is None and p.recompute is None and p.backward is None
         assert "short path" in p.describe() and "16-token steps" in p.describe()
+        assert p.forward.state_t and "state held transposed" in p.describe()  # docs/kernels.md, "State orientation"
         assert plan_for(opts_for(B, T, H, HV, dtype=torch.float16, **kw), torch.float16,
                         short_min_pairs=1).short.form_u is False
         assert plan_for(opts_for(B, T, H, HV, K=256, dtype=dtype, **kw), dtype, short_min_pairs=1).short is None
@@ -68,6 +69,7 @@ def test_short_path_choice(B, T, H, HV, dtype, kw, train, short):
         assert few.short is None  # a skewed varlen call: fewer pairs than sequences x value heads
     else:
         assert p.forward.chunk == opts.chunk_size and "short" not in p.describe()
+        assert not p.forward.state_t and "transposed" not in p.describe()
 
 
 SAFE = dict(safe_gate=True, lower_bound=-5.0, gate=GateMode.LOWER_BOUND)

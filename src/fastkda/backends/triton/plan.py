@@ -388,6 +388,7 @@ class ChunkPlan:
                          + f"; products {sp.prec}, inverse {sp.inv_prec}; "
                          + ("X float32 for the scan" if sp.form_u else "u in stage 1"))
             lines.append(f"  scan: 16-token steps, {sc.BV} value columns {_fmt(sc.launch)}"
+                         + ("; state held transposed" if sc.state_t else "")
                          + (f"; forms u ({sc.u_prec})" if sc.form_u else ""))
             return "\n".join(lines)
         s = self.stage1
