@@ -60,9 +60,10 @@ def check_grads(got: dict, want: dict, x: dict, tol: float):
             check(f"d{name}", got[name], ref, tol)
 
 
-def plain_options(x: dict):
+def plain_options(x: dict, **changes):
     """(options, inputs) of chunk_kda on x's q, k, v, g, beta (and initial_state, if any) with every
-    other option at its plain value: pre-gated, no final state, dense, chunk 64."""
+    other option at its plain value (pre-gated, no final state, dense, chunk 64) or as ``changes``
+    give it."""
     from fastkda.options import chunk_options
 
     kw = dict(scale=None, initial_state=x.get("initial_state"), output_final_state=False,
@@ -70,7 +71,7 @@ def plain_options(x: dict):
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
               return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
               cp_context=None, A_log=None, dt_bias=None, chunk_size=64)
-    return chunk_options(*(x[k] for k in ("q", "k", "v", "g", "beta")), **kw)
+    return chunk_options(*(x[k] for k in ("q", "k", "v", "g", "beta")), **{**kw, **changes})
 
 
 def bounded(case):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from conftest import BACKENDS, DEVICE, GPU
-from helpers import (AXES, OPTION_SPACE, bounded, check, forced_gates, grow, launched, random_case,
+from helpers import (AXES, OPTION_SPACE, bounded, check, forced_gates, grow, launched, plain_options, random_case,
                      scan_given_u, short_forms, stage1_of, tol_for)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -829,22 +829,15 @@ def test_scan_state_orientations(path, axis, rng, tune):
 
     from fastkda.backends.triton import forward, scan, short
     from fastkda.backends.triton.function import plan_of
-    from fastkda.options import chunk_options
 
     case = short_case(axis).replace(initial_state=True, final_state=True)  # short_case: gates the short path takes
     x = make_inputs(case, device=DEVICE, generator=rng)
     o_ref, s_ref, h_ref = reference(x, chunked=True, chunk_size=case.chunk_size, return_intermediate_states=True)
-    tensors = [x[n] for n in ("q", "k", "v", "g", "beta")]
-    kw = dict(scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-              use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
-              lower_bound=None, disable_recompute=False, return_intermediate_states=path == "chunk",
-              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None, A_log=None, dt_bias=None,
-              chunk_size=case.chunk_size)
-    kw.update({n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")})
     tune(short_min_pairs=1 if path == "short" else None)
     tol = tol_for(case.dtype, "triton")
     with torch.inference_mode():
-        opts, inp = chunk_options(*tensors, **kw)
+        opts, inp = plain_options(x, **{n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")},
+                                  chunk_size=case.chunk_size, return_intermediate_states=path == "chunk")
         plan = plan_of(opts, inp, train=False)
         if path == "short":
             assert plan.short is not None
