@@ -410,8 +410,9 @@ SHORT_FORMS = {"softplus_mixed": {"anchor", "halves"}, "lowerbound_edge_near": {
 def test_short_path_layouts_take_their_forms(axis, rng):
     """The layouts of test_short_path_any_gate reach the short kernel's forms they mean to, on both
     tiers (helpers.short_forms), whatever the random gates of the other chunks add (a varlen case's
-    later sequences miss the layout's chunk grid); bfloat16 and float32 inputs each reach both. (The
-    safe gate has one form.)"""
+    later sequences miss the layout's chunk grid); bfloat16 and float32 inputs each reach both (the
+    kernel takes them for float16 and float32 inputs; bfloat16 ones take the middle anchor on
+    clamped gates in every chunk, test_short_path_clamped_anchor). (The safe gate has one form.)"""
     base, layout, grown = SHORT_ANY_GATE[axis]
     x = make_inputs(grow(base, GPU) if grown else base, device=DEVICE, generator=rng)
     forced_gates(x, 16, layout)
@@ -424,7 +425,8 @@ def test_short_path_layouts_take_their_forms(axis, rng):
 def test_short_path_any_gate(axis, heads_first, rng, tune, launch_log):
     """Gates forced chunk by chunk on the short path. Unbounded gates: each 16-token chunk takes the
     middle anchor or, where its factors would pass 2^96, its halves' anchors on gates clamped at
-    -24 (base 2); float32 inputs at float32's precision (1e-6). Safe gates at
+    -24 (base 2) (float16 and float32 inputs; bfloat16 ones the middle anchor on gates clamped at
+    -12); float32 inputs at float32's precision (1e-6). Safe gates at
     their bound (the middle anchor's extremes) within 4e-6: e^G and e^(G_15 - G) are products of two
     exponentials, each the GPU's ex2.approx (2 ulp) there (1.7e-6 measured on the H200; 1.2e-7 in the
     interpreter). ``heads_first``: the order of the programs (Tuning.heads_first)."""
@@ -443,6 +445,41 @@ def test_short_path_any_gate(axis, heads_first, rng, tune, launch_log):
     check("o", o, o_ref, exact)
     if case.final_state:
         check("final_state", s, s_ref, exact)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("axis", ["softplus_bf16_forms", "softplus_bf16_varlen_gva"])
+def test_short_path_clamped_anchor(axis, rng, tune):
+    """bfloat16 inputs of unbounded gates: the short kernel takes the middle anchor on gates clamped
+    at -12 (base 2) in every chunk (ShortPlan.anchor_clamp); on the layouts of
+    test_short_path_any_gate its output and final state are within 3% of the exact forms' error
+    against the float64 reference (the middle anchor or the halves on gates clamped at -24, run on
+    the same inputs: the same stage 1 but for the plan's clamp). A clamp at -6 is 11% to 36% further
+    off on such layouts."""
+    import dataclasses
+
+    from fastkda.backends.triton import forward, scan, short
+    from fastkda.backends.triton.function import plan_of
+
+    tune(short_min_pairs=1)
+    base, layout, grown = SHORT_ANY_GATE[axis]
+    x = make_inputs(grow(base, GPU) if grown else base, device=DEVICE, generator=rng)
+    forced_gates(x, 16, layout)
+    o_ref, s_ref = reference(x)
+    errors = {}
+    with torch.inference_mode():
+        opts, inp = plain_options(x, **{n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")})
+        plan = plan_of(opts, inp, train=False)
+        assert plan.short is not None and plan.short.anchor_clamp == 12.0, plan.short
+        tables = forward.chunk_tables_of(opts, inp.cu_seqlens, inp.cu_seqlens_cpu, 16)
+        for form, clamp in (("clamped", plan.short.anchor_clamp), ("exact", None)):
+            p = dataclasses.replace(plan, short=dataclasses.replace(plan.short, anchor_clamp=clamp))
+            s1 = short.short_stage1(opts, p, inp, tables)
+            o, ht, _, _ = scan.fwd_scan(opts, p, p.forward, s1.w, s1.u, s1.xs, s1.qg, s1.kd, s1.Aqk, s1.gl,
+                                        s1.chunk_indices, s1.chunk_offsets, s1.NT_total, inp)
+            errors[form] = (rel_rms(o, o_ref), rel_rms(ht, s_ref))
+    for i, name in enumerate(("o", "final_state")):
+        assert errors["clamped"][i] <= 1.03 * errors["exact"][i], (name, errors)
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")

@@ -60,6 +60,11 @@ def test_short_path_choice(B, T, H, HV, dtype, kw, train, short):
         assert p.stage1 is None and p.recompute is None and p.backward is None
         assert "short path" in p.describe() and "16-token steps" in p.describe()
         assert p.forward.state_t and "state held transposed" in p.describe()  # docs/kernels.md, "State orientation"
+        # unbounded gates of bfloat16 inputs: one anchor on clamped gates; float16 and float32: the exact forms
+        clamp = 12.0 if dtype == torch.bfloat16 and not opts.safe_gate else None
+        assert p.short.anchor_clamp == clamp and (("clamped at -12" in p.describe()) is (clamp is not None))
+        assert plan_for(opts_for(B, T, H, HV, dtype=torch.float16, **kw), torch.float16,
+                        short_min_pairs=1).short.anchor_clamp is None
         assert plan_for(opts_for(B, T, H, HV, dtype=torch.float16, **kw), torch.float16,
                         short_min_pairs=1).short.form_u is False
         assert plan_for(opts_for(B, T, H, HV, K=256, dtype=dtype, **kw), dtype, short_min_pairs=1).short is None

@@ -147,6 +147,9 @@ class Tuning:
 # pair term enters dg twice, rounded apart; unbounded gates weigh the residue by |y| in dA_log
 PAIR_PREC = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"}
 PAIR_PREC_UNBOUNDED = {torch.bfloat16: "tf32x3", torch.float16: "tf32x3", torch.float32: "ieee"}
+# the short path's clamp of unbounded gates (base 2) under its one anchor, for bfloat16 inputs: 8
+# clamped gates span at most 2^96, as the middle anchor's factors do (short.SPAN)
+SHORT_ANCHOR_CLAMP = 12.0
 
 _TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("fastkda_triton_tuning", default=Tuning())
 
@@ -298,6 +301,9 @@ class ShortPlan:
     """Forward stage 1 on 16-token chunks in one kernel (short.py), for inference."""
 
     bounded: bool  # safe_gate: the middle anchor on every chunk (no span test)
+    # unbounded gates: the middle anchor on every chunk, its gates clamped at -anchor_clamp (base 2);
+    # None: the exact forms (the middle anchor within 2^96, else the halves' anchors)
+    anchor_clamp: float | None
     prec: str  # the Aqk, Akk products and w = X (beta k e^G) (and u where stage 1 forms it)
     inv_prec: str  # the products of the 16 x 16 inverse (tiles.inv_unit_lower)
     form_u: bool  # X stored (float32), u formed in the scan
@@ -384,7 +390,8 @@ class ChunkPlan:
             sp, sc = self.short, self.forward
             lines = [f"chunk plan: inference, 16-token chunks, products {self.dot.prec}"]
             lines.append(f"  stage 1: short path, 16-token chunks in one kernel {_fmt(sp.launch)}; middle anchor"
-                         + ("" if sp.bounded else " (the halves on clamped gates where the gates span more)")
+                         + ("" if sp.bounded else f" on gates clamped at -{sp.anchor_clamp:g} (base 2)"
+                            if sp.anchor_clamp else " (the halves on clamped gates where the gates span more)")
                          + f"; products {sp.prec}, inverse {sp.inv_prec}; "
                          + ("X float32 for the scan" if sp.form_u else "u in stage 1"))
             lines.append(f"  scan: 16-token steps, {sc.BV} value columns {_fmt(sc.launch)}"
@@ -569,7 +576,11 @@ def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, do
     # the inverse in tf32 (operands rounded to nearest) for bfloat16 inputs, whose own rounding is 16
     # times coarser; exact products for float32 and float16 ones
     inv_prec = "tf32_rn" if dtype == torch.bfloat16 else "ieee"
-    sp = ShortPlan(bounded=opts.safe_gate, prec=low, inv_prec=inv_prec, form_u=form_u,
+    # unbounded gates of bfloat16 inputs: one anchor on gates clamped at -12 (8 of them span 2^96),
+    # off by at most 2^-12 |q_d k_d| per term (docs/math.md section 3); float16 and float32 inputs,
+    # whose outputs that would show in, keep the exact forms
+    clamp = SHORT_ANCHOR_CLAMP if dtype == torch.bfloat16 and not opts.safe_gate else None
+    sp = ShortPlan(bounded=opts.safe_gate, anchor_clamp=clamp, prec=low, inv_prec=inv_prec, form_u=form_u,
                    softplus_form=softplus_form(dtype, dev.interpret, tuning), heads_first=tuning.heads_first,
                    BK=BK, BV=BV, launch=tuning.short)
     bv = min(BV, tuning.short_scan_bv)

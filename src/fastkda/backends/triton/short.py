@@ -10,7 +10,8 @@ with G the cumulative gates from the chunk start (base 2) and X = (I + Diag(beta
 gates take the middle anchor where its factors stay within 2^SPAN, else the halves' anchors on gates
 clamped at -CLAMP (any gate: a factor the clamp changes is below 2^-CLAMP, exact or not). The
 anchors' exponents are differences of one cumulative sum that leaves out the gates of tokens 0 (in
-no factor) and 8 (added apart where it belongs, to exponents of its own sign): docs/math.md section 3.
+no factor) and 8 (added apart where it belongs, to exponents of its own sign). bfloat16 inputs take
+the middle anchor on gates clamped at -ANCHOR_CLAMP in every chunk instead: docs/math.md section 3.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def kda_fwd_short_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, L2NORM: tl.constexpr,
     SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    BOUNDED: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr, FORM_U: tl.constexpr,
+    BOUNDED: tl.constexpr, ANCHOR_CLAMP: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
+    FORM_U: tl.constexpr,
 ):
     """One 16-token chunk of one value head. Aqk and Akk from the middle anchor (token 8: factors
     e^(G_i - G_8) on rows, e^(G_8 - G_j) on columns), their exponents differences of cumulative
@@ -78,8 +80,9 @@ def kda_fwd_short_kernel(
     against the first half's columns at token 7 with factors <= 1) on gates clamped at -CLAMP,
     and e^(G_15 - G) from sums of the unclamped gates after each token. Unbounded gates below
     -2^14 (base 2; -inf too) count as -2^14, which changes no factor; a NaN gate reaches its
-    feature's chunk decay, hence the state. PREC: the Aqk, Akk, w and u products; INV_PREC: the
-    inverse's.
+    feature's chunk decay, hence the state. ANCHOR_CLAMP > 0 (unbounded gates, bfloat16 inputs):
+    every chunk takes the middle anchor on gates clamped at -ANCHOR_CLAMP. PREC: the Aqk,
+    Akk, w and u products; INV_PREC: the inverse's.
     FORM_U: X goes to xs (the scan forms u = X (beta v)), u is not written."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, 16, IS_VARLEN, 1, HEADS_FIRST)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
@@ -111,6 +114,21 @@ def kda_fwd_short_kernel(
         b_Aqk, b_Akk = _middle_anchor(b_q, b_k, b_r, b_ri, PREC)
         b_e = b_r * tl.exp2(b_G8)[None, :]
         b_ed = b_ri * tl.exp2(b_G15 - b_G8)[None, :]  # e^(G_15 - G)
+    elif ANCHOR_CLAMP > 0.0:
+        # gates below -150 (base 2; -inf too) as -150: a factor spanning one is 0 in float32 either
+        # way; NaN stays NaN. Where e^G or e^(G_15 - G) is not 0 the sums it comes from stay within
+        # 300, their float32 rounding (about 1e-4 at most) below the bfloat16 outputs' own
+        b_g = tl.where(b_g < -150.0, -150.0, b_g)
+        # the middle anchor on gates clamped at -ANCHOR_CLAMP (<= SPAN / 8), whatever the gates: a pair
+        # whose span holds a clamped gate has both its factor and the exact one below 2^-ANCHOR_CLAMP
+        # (each term q_d k_d e^(G_i - G_j) off by at most 2^-ANCHOR_CLAMP |q_d k_d|)
+        b_m = tl.cumsum(tl.maximum(b_g, -ANCHOR_CLAMP), 0)
+        b_m -= row_of(b_m, o_i, 8)[None, :]
+        b_Aqk, b_Akk = _middle_anchor(b_q, b_k, tl.exp2(b_m), tl.exp2(-b_m), PREC)
+        b_G = tl.cumsum(b_g, 0)
+        b_G15 = row_of(b_G, o_i, 15)
+        b_e = tl.exp2(b_G)
+        b_ed = tl.exp2(tl.cumsum(b_g, 0, reverse=True) - b_g)  # e^(G_15 - G)
     else:
         # gates below -2^14 (-inf too) as -2^14: every factor spanning one is 0 either way, and the
         # row shift, a product, meets no infinity (0 * inf); NaN stays NaN
@@ -144,11 +162,12 @@ def kda_fwd_short_kernel(
             b_Aqk, b_Akk = _halves(b_q, b_k, b_n, b_x, row_of(b_gc, o_i, 8), o_i, PREC)
             b_gn = _next_rows(b_g, o_i)  # the next token's gates (0 on row 15)
             b_ed = tl.exp2(tl.cumsum(b_gn, 0, reverse=True))  # G_15 - G: the sum of the gates after each token
+        b_e = tl.exp2(b_J + b_g0[None, :] + b_g8hi)
+        b_G15 = b_J15 + b_g0 + b_g8
+    if not BOUNDED:
         # Aqk's diagonal (factor 1) from float32 operands: where decays are strong it is the larger part
         # of Aqk, which the products' rounded operands would make as coarse as they are
         b_Aqk = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], b_Aqk)
-        b_e = tl.exp2(b_J + b_g0[None, :] + b_g8hi)
-        b_G15 = b_J15 + b_g0 + b_g8
     b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk * scale, 0.0)
     b_X = inv_unit_lower(tl.where(o_i[:, None] > o_i[None, :], b_Akk * b_b[:, None], 0.0), o_i, INV_PREC)
 
@@ -197,6 +216,7 @@ def short_stage1(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs,
                x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, w, u, xs, qg, kd, Aqk, gl, x.cu_seqlens, chunk_indices,
                opts.scale, **gate_launch(opts, x.A_log, x.dt_bias), T=T, H=H, HV=HV, K=K, V=V, BK=sp.BK, BV=sp.BV,
                FAST=sp.softplus_form, L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
-               IS_VARLEN=x.cu_seqlens is not None, HEADS_FIRST=sp.heads_first, BOUNDED=sp.bounded, PREC=sp.prec,
+               IS_VARLEN=x.cu_seqlens is not None, HEADS_FIRST=sp.heads_first, BOUNDED=sp.bounded,
+               ANCHOR_CLAMP=sp.anchor_clamp or 0.0, PREC=sp.prec,
                INV_PREC=sp.inv_prec, FORM_U=sp.form_u, **sp.launch.kwargs())
     return ShortStage1(w, u, xs, qg, kd, Aqk, gl, chunk_indices, chunk_offsets, NT)
