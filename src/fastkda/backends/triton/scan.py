@@ -26,7 +26,8 @@ from ...options import KDAInputs, KDAOptions
 from .common import launch, out_alloc, seq_grid, seq_program, sequence_location
 from .output import kda_fwd_output_kernel
 from .plan import ChunkPlan, ScanPlan, cdiv, pow2
-from .tiles import activate_beta, as_operand, block_lower, chunk_decay, chunk_operands, load_beta_raw, prod
+from .tiles import (activate_beta, as_operand, block_lower, chunk_decay, chunk_operands, load_beta_raw, prod,
+                    state_tile_ptrs)
 
 
 @triton.jit
@@ -67,16 +68,6 @@ def as_cols(x, STATE_T: tl.constexpr):
     else:
         y = x[None, :]
     return y
-
-
-@triton.jit
-def state_tile_ptrs(base, i_k, i_kv, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl.constexpr):
-    """Pointers and mask of a state tile of (key, value) index tiles i_k, i_kv (as_rows, as_cols) in a
-    state stored [K, V] or, with V_FIRST, [V, K]."""
-    m = (i_k < K) & (i_kv < V)
-    if V_FIRST:
-        return base + i_kv * K + i_k, m
-    return base + i_k * V + i_kv, m
 
 
 @triton.jit(do_not_specialize=["T"])

@@ -312,12 +312,20 @@ def chunk_form(gok, i_p, SELECT: tl.constexpr, EXACT_SUMS: tl.constexpr):
 
 
 @triton.jit
+def state_tile_ptrs(base, i_k, i_kv, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl.constexpr):
+    """Pointers and mask of a state tile of (key, value) index tiles i_k, i_kv (broadcastable: a
+    [BK, BV] tile from [BK, 1] and [1, BV], its transpose from [1, BK] and [BV, 1]) in a state
+    stored [K, V] or, with V_FIRST, [V, K]."""
+    m = (i_k < K) & (i_kv < V)
+    if V_FIRST:
+        return base + i_kv * K + i_k, m
+    return base + i_k * V + i_kv, m
+
+
+@triton.jit
 def state_ptrs(base, o_k, o_v, K: tl.constexpr, V: tl.constexpr, V_FIRST: tl.constexpr):
     """Pointers and mask of a [BK, BV] state tile stored [K, V] or, with V_FIRST, [V, K]."""
-    m = (o_k < K)[:, None] & (o_v < V)[None, :]
-    if V_FIRST:
-        return base + o_v[None, :] * K + o_k[:, None], m
-    return base + o_k[:, None] * V + o_v[None, :], m
+    return state_tile_ptrs(base, o_k[:, None], o_v[None, :], K, V, V_FIRST)
 
 
 @triton.jit
