@@ -41,16 +41,6 @@ def lmul(a, x, STATE_T: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def scale_rows(x, r, STATE_T: tl.constexpr):
-    """Row i of x times r[i], x held as it is or, with STATE_T, transposed."""
-    if STATE_T:
-        y = x * r[None, :]
-    else:
-        y = x * r[:, None]
-    return y
-
-
-@triton.jit
 def as_rows(x, STATE_T: tl.constexpr):
     """x [R] along the rows of a tile held as it is ([R, 1]) or, with STATE_T, transposed ([1, R])."""
     if STATE_T:
@@ -117,7 +107,7 @@ def kda_fwd_scan_kernel(
         if U_IN:  # independent of the state: the loads and the product overlap the chain of S
             b_X = block_lower(xs + ((c_off + i_t) * HV + i_hv) * C * C, o_c, C)  # [C, C]
             b_y = tl.load(v + p_uv + r_t * (HV * V), mask=m_uv, other=0.0).to(tl.float32)
-            b_y = scale_rows(b_y, activate_beta(b_bn, i_t * C, T_seq, o_c, SIGMOID, BETA_SCALE), STATE_T)
+            b_y *= as_rows(activate_beta(b_bn, i_t * C, T_seq, o_c, SIGMOID, BETA_SCALE), STATE_T)
             b_bn = load_beta_raw(beta, bos, (i_t + 1) * C, T_seq, i_hv, o_c, HV)
             b_u = tl.where(m_t2, lmul(b_X, b_y, STATE_T, U_PREC), 0.0)  # rows past the sequence 0
         else:
@@ -131,7 +121,7 @@ def kda_fwd_scan_kernel(
         if STORE_O:
             b_o = lmul(b_qg, b_Sd, STATE_T, PREC) + lmul(b_A, b_vnd, STATE_T, PREC)
             tl.store(o + p_uv + r_t * (HV * V), b_o.to(o.dtype.element_ty), mask=m_uv)
-        b_S = scale_rows(b_S, b_gl, STATE_T) + lmul(tl.trans(b_kd), b_vnd, STATE_T, PREC)
+        b_S = b_S * as_rows(b_gl, STATE_T) + lmul(tl.trans(b_kd), b_vnd, STATE_T, PREC)
 
     if STORE_HT:
         p_ht, m_h = state_tile_ptrs(ht + i_nh * K * V, i_k, i_kv, K, V, V_FIRST)
