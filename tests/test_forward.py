@@ -447,6 +447,21 @@ def test_short_path_any_gate(axis, heads_first, rng, tune, launch_log):
         check("final_state", s, s_ref, exact)
 
 
+def short_stage1_of(opts, plan, inp):
+    """The short path's stage 1 of a call (plan.short) on its 16-token chunk tables."""
+    from fastkda.backends.triton import forward, short
+
+    return short.short_stage1(opts, plan, inp, forward.chunk_tables_of(opts, inp.cu_seqlens, inp.cu_seqlens_cpu, 16))
+
+
+def scan_of(opts, plan, sc, s1, xs, inp):
+    """The forward scan ``sc`` (a ScanPlan) on a stage 1's tensors ``s1``, X in ``xs``."""
+    from fastkda.backends.triton import scan
+
+    return scan.fwd_scan(opts, plan, sc, s1.w, s1.u, xs, s1.qg, s1.kd, s1.Aqk, s1.gl, s1.chunk_indices,
+                         s1.chunk_offsets, s1.NT_total, inp)
+
+
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("axis", ["softplus_bf16_forms", "softplus_bf16_varlen_gva"])
 def test_short_path_clamped_anchor(axis, rng, tune):
@@ -458,7 +473,6 @@ def test_short_path_clamped_anchor(axis, rng, tune):
     off on such layouts."""
     import dataclasses
 
-    from fastkda.backends.triton import forward, scan, short
     from fastkda.backends.triton.function import plan_of
 
     tune(short_min_pairs=1)
@@ -471,12 +485,10 @@ def test_short_path_clamped_anchor(axis, rng, tune):
         opts, inp = plain_options(x, **{n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")})
         plan = plan_of(opts, inp, train=False)
         assert plan.short is not None and plan.short.anchor_clamp == 12.0, plan.short
-        tables = forward.chunk_tables_of(opts, inp.cu_seqlens, inp.cu_seqlens_cpu, 16)
         for form, clamp in (("clamped", plan.short.anchor_clamp), ("exact", None)):
             p = dataclasses.replace(plan, short=dataclasses.replace(plan.short, anchor_clamp=clamp))
-            s1 = short.short_stage1(opts, p, inp, tables)
-            o, ht, _, _ = scan.fwd_scan(opts, p, p.forward, s1.w, s1.u, s1.xs, s1.qg, s1.kd, s1.Aqk, s1.gl,
-                                        s1.chunk_indices, s1.chunk_offsets, s1.NT_total, inp)
+            s1 = short_stage1_of(opts, p, inp)
+            o, ht, _, _ = scan_of(opts, p, p.forward, s1, s1.xs, inp)
             errors[form] = (rel_rms(o, o_ref), rel_rms(ht, s_ref))
     for i, name in enumerate(("o", "final_state")):
         assert errors["clamped"][i] <= 1.03 * errors["exact"][i], (name, errors)
@@ -864,7 +876,7 @@ def test_scan_state_orientations(path, axis, rng, tune):
     layout); h and v' kept for the backward ([K, V] order) agree between the two forms."""
     import dataclasses
 
-    from fastkda.backends.triton import forward, scan, short
+    from fastkda.backends.triton import forward
     from fastkda.backends.triton.function import plan_of
 
     case = short_case(axis).replace(initial_state=True, final_state=True)  # short_case: gates the short path takes
@@ -878,8 +890,7 @@ def test_scan_state_orientations(path, axis, rng, tune):
         plan = plan_of(opts, inp, train=False)
         if path == "short":
             assert plan.short is not None
-            s1 = short.short_stage1(opts, plan, inp, forward.chunk_tables_of(opts, inp.cu_seqlens, inp.cu_seqlens_cpu,
-                                                                             16))
+            s1 = short_stage1_of(opts, plan, inp)
             xs = s1.xs
         else:
             assert plan.short is None
@@ -889,9 +900,7 @@ def test_scan_state_orientations(path, axis, rng, tune):
         kept = []
         for state_t in (False, True):
             def run(**changes):
-                sc = dataclasses.replace(plan.forward, state_t=state_t, **changes)
-                return scan.fwd_scan(opts, plan, sc, s1.w, s1.u, xs, s1.qg, s1.kd, s1.Aqk, s1.gl, s1.chunk_indices,
-                                     s1.chunk_offsets, s1.NT_total, inp)
+                return scan_of(opts, plan, dataclasses.replace(plan.forward, state_t=state_t, **changes), s1, xs, inp)
 
             o, ht, h, _ = run()
             check(f"o (state_t={state_t})", o, o_ref, tol)

@@ -63,10 +63,8 @@ def test_short_path_choice(B, T, H, HV, dtype, kw, train, short):
         # unbounded gates of bfloat16 inputs: one anchor on clamped gates; float16 and float32: the exact forms
         clamp = 12.0 if dtype == torch.bfloat16 and not opts.safe_gate else None
         assert p.short.anchor_clamp == clamp and (("clamped at -12" in p.describe()) is (clamp is not None))
-        assert plan_for(opts_for(B, T, H, HV, dtype=torch.float16, **kw), torch.float16,
-                        short_min_pairs=1).short.anchor_clamp is None
-        assert plan_for(opts_for(B, T, H, HV, dtype=torch.float16, **kw), torch.float16,
-                        short_min_pairs=1).short.form_u is False
+        fp16 = plan_for(opts_for(B, T, H, HV, dtype=torch.float16, **kw), torch.float16, short_min_pairs=1).short
+        assert fp16.form_u is False and fp16.anchor_clamp is None
         assert plan_for(opts_for(B, T, H, HV, K=256, dtype=dtype, **kw), dtype, short_min_pairs=1).short is None
         wide_v = plan_for(opts_for(B, T, H, HV, V=256, dtype=dtype, **kw), dtype, short_min_pairs=1).short
         assert (wide_v is not None) is (dtype != torch.float16)  # u formed in the scan: any V
