@@ -334,13 +334,14 @@ def short_case(axis: str) -> Case:
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("axis", [*AXES, *SHORT_EXTRA])
-def test_short_path(axis, rng, tune, launch_log):
-    """The short path (stage 1 in one kernel over 16-token chunks, the scan stepping 16 tokens), on
-    every axis, against the reference; forced here (the plan takes it from 48 sequence x value-head
-    pairs on). Its launches: the short kernel and the scan, nothing of the chunk-wide stage 1; u from
-    the scan (X kept) except for float16 inputs."""
-    tune(short_min_pairs=1)
+def test_short_path(axis, chunk, rng, tune, launch_log):
+    """The short path (stage 1 in one kernel over 16-token blocks, as chunks or merged in pairs, the
+    scan stepping ``chunk`` tokens), on every axis, against the reference; forced here (the plan takes
+    it from 48 sequence x value-head pairs on). Its launches: the short kernel and the scan, nothing of
+    the chunk-wide stage 1; u from the scan (X kept) except for float16 inputs."""
+    tune(short_min_pairs=1, short_chunk=chunk)
     case = short_case(axis)
     x = make_inputs(case, device=DEVICE, generator=rng)
     with use_backend("triton"), torch.no_grad():
@@ -348,7 +349,7 @@ def test_short_path(axis, rng, tune, launch_log):
     names = [e.name for e in launch_log]
     assert names == ["kda_fwd_short_kernel", "kda_fwd_scan_kernel"] or (names == [] and x["q"].shape[1] == 0), names
     scan = launch_log[-1]
-    assert scan.args["C"] == 16
+    assert scan.args["C"] == launch_log[0].args["C"] == chunk
     assert scan.args["A_FULL"]  # stage 1 wrote zeros above Aqk's diagonal: rows load unmasked
     assert (scan.args["u"] is None) == (case.dtype != torch.float16)
     o_ref, s_ref = reference(x)
@@ -420,17 +421,18 @@ def test_short_path_layouts_take_their_forms(axis, rng):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
-@pytest.mark.parametrize("heads_first", [True, False])
+@pytest.mark.parametrize("heads_first,chunk", [(True, 16), (False, 16), (True, 32)])
 @pytest.mark.parametrize("axis", list(SHORT_ANY_GATE))
-def test_short_path_any_gate(axis, heads_first, rng, tune, launch_log):
+def test_short_path_any_gate(axis, heads_first, chunk, rng, tune, launch_log):
     """Gates forced chunk by chunk on the short path. Unbounded gates: each 16-token chunk takes the
     middle anchor or, where its factors would pass 2^96, its halves' anchors on gates clamped at
     -24 (base 2) (float16 and float32 inputs; bfloat16 ones the middle anchor on gates clamped at
     -12); float32 inputs at float32's precision (1e-6). Safe gates at
     their bound (the middle anchor's extremes) within 4e-6: e^G and e^(G_15 - G) are products of two
     exponentials, each the GPU's ex2.approx (2 ulp) there (1.7e-6 measured on the H200; 1.2e-7 in the
-    interpreter). ``heads_first``: the order of the programs (Tuning.heads_first)."""
-    tune(short_min_pairs=1, heads_first=heads_first)
+    interpreter). ``heads_first``: the order of the programs (Tuning.heads_first); ``chunk``: the
+    short path's chunks (16-token blocks merged in pairs at 32)."""
+    tune(short_min_pairs=1, heads_first=heads_first, short_chunk=chunk)
     base, layout, grown = SHORT_ANY_GATE[axis]
     case = grow(base, GPU) if grown else base
     x = make_inputs(case, device=DEVICE, generator=rng)
@@ -448,10 +450,11 @@ def test_short_path_any_gate(axis, heads_first, rng, tune, launch_log):
 
 
 def short_stage1_of(opts, plan, inp):
-    """The short path's stage 1 of a call (plan.short) on its 16-token chunk tables."""
+    """The short path's stage 1 of a call (plan.short) on its chunk tables."""
     from fastkda.backends.triton import forward, short
 
-    return short.short_stage1(opts, plan, inp, forward.chunk_tables_of(opts, inp.cu_seqlens, inp.cu_seqlens_cpu, 16))
+    tables = forward.chunk_tables_of(opts, inp.cu_seqlens, inp.cu_seqlens_cpu, plan.short.chunk)
+    return short.short_stage1(opts, plan, inp, tables)
 
 
 def scan_of(opts, plan, sc, s1, xs, inp):
@@ -463,19 +466,22 @@ def scan_of(opts, plan, sc, s1, xs, inp):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("axis", ["softplus_bf16_forms", "softplus_bf16_varlen_gva"])
-def test_short_path_clamped_anchor(axis, rng, tune):
+def test_short_path_clamped_anchor(axis, chunk, rng, tune):
     """bfloat16 inputs of unbounded gates: the short kernel takes the middle anchor on gates clamped
-    at -12 (base 2) in every chunk (ShortPlan.anchor_clamp); on the layouts of
-    test_short_path_any_gate its output and final state are within 3% of the exact forms' error
-    against the float64 reference (the middle anchor or the halves on gates clamped at -24, run on
-    the same inputs: the same stage 1 but for the plan's clamp). A clamp at -6 is 11% to 36% further
-    off on such layouts."""
+    at -12 (base 2) in every 16-token block (ShortPlan.anchor_clamp); on the layouts of
+    test_short_path_any_gate its output is within 3% of the exact forms' error against the float64
+    reference (the middle anchor or the halves on gates clamped at -24, run on the same inputs: the
+    same stage 1 but for the plan's clamp); a clamp at -6 is 11% to 36% further off. The clamp
+    leaves the decays alone: the final state differs from the exact forms' only by the order of
+    float32 sums (up to 5% of its error either way) and is held to the bfloat16 tolerance.
+    ``chunk``: the short path's chunks (16-token blocks merged in pairs at 32)."""
     import dataclasses
 
     from fastkda.backends.triton.function import plan_of
 
-    tune(short_min_pairs=1)
+    tune(short_min_pairs=1, short_chunk=chunk)
     base, layout, grown = SHORT_ANY_GATE[axis]
     x = make_inputs(grow(base, GPU) if grown else base, device=DEVICE, generator=rng)
     forced_gates(x, 16, layout)
@@ -490,8 +496,8 @@ def test_short_path_clamped_anchor(axis, rng, tune):
             s1 = short_stage1_of(opts, p, inp)
             o, ht, _, _ = scan_of(opts, p, p.forward, s1, s1.xs, inp)
             errors[form] = (rel_rms(o, o_ref), rel_rms(ht, s_ref))
-    for i, name in enumerate(("o", "final_state")):
-        assert errors["clamped"][i] <= 1.03 * errors["exact"][i], (name, errors)
+    assert errors["clamped"][0] <= 1.03 * errors["exact"][0], errors
+    assert errors["clamped"][1] <= tol_for(torch.bfloat16, "triton"), errors
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")

@@ -29,8 +29,9 @@ REAL = {
 @pytest.mark.parametrize("path", ["short", "chunk"])
 @pytest.mark.parametrize("name", list(REAL))
 def test_real_shapes(backend, path, name, rng, tune):
-    """Each shape on both forward paths of the Triton backend: the short one (16-token chunks; keys
-    and values of at most 128) and the chunk-wide one, each forced."""
+    """Each shape on both forward paths of the Triton backend: the short one (16-token blocks, merged
+    in pairs for the bounded gates of these few heads; keys and values of at most 128) and the
+    chunk-wide one, each forced."""
     case = REAL[name]
     if path == "short" and max(case.K, case.V) > 128:
         pytest.skip("the short path takes keys and values of at most 128")

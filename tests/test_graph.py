@@ -54,7 +54,7 @@ def leaves_of(y: dict) -> dict:
 def test_graph_mode_forward(backend, short, name, rng, tune, launch_log):
     """Outputs of the real rows and the real sequences' final states against the float64 reference;
     the rows after the last sequence are zero; an empty tail sequence passes its initial state on.
-    ``short``: the Triton backend's short path forced (16-token chunk tables)."""
+    ``short``: the Triton backend's short path forced (its chunks' tables)."""
     if short and backend != "triton":
         pytest.skip("the short path is the Triton backend's")
     tune(short_min_pairs=1 if short else None)

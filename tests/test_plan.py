@@ -35,30 +35,42 @@ def plan_for(opts, dtype=torch.bfloat16, train=False, dev=H200, **tuning):
     return P.chunk_plan(opts, dtype, train, s.B * -(-s.T // opts.chunk_size), dev, P.Tuning(**tuning))
 
 
-@pytest.mark.parametrize("B,T,H,HV,dtype,kw,train,short", [
-    (1, 8192, 64, 64, torch.bfloat16, dict(safe_gate=True, lower_bound=-5.0, gate=GateMode.LOWER_BOUND), False, True),
-    (1, 8192, 48, 48, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, True),
-    (1, 8192, 32, 32, torch.bfloat16, dict(safe_gate=True, lower_bound=-5.0, gate=GateMode.LOWER_BOUND), False, False),
-    (4, 4096, 4, 12, torch.float32, dict(gate=GateMode.SOFTPLUS), False, True),
-    (1, 32768, 16, 16, torch.bfloat16, dict(safe_gate=True, lower_bound=-5.0, gate=GateMode.LOWER_BOUND), False, False),
-    (1, 8192, 1, 47, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, False),
-    (1, 8192, 64, 64, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), True, False),
-    (1, 8192, 64, 64, torch.bfloat16, dict(), False, False),
-    (1, 8192, 64, 64, torch.bfloat16, dict(safe_gate=True), False, True),
-    (1, 8192, 64, 64, torch.bfloat16, dict(gate=GateMode.SOFTPLUS, return_intermediate_states=True), False, False)])
-def test_short_path_choice(B, T, H, HV, dtype, kw, train, short):
-    """The short path: inference calls of at least Tuning.short_min_pairs (48) sequence x value-head
+SAFE = dict(safe_gate=True, lower_bound=-5.0, gate=GateMode.LOWER_BOUND)
+
+
+@pytest.mark.parametrize("B,T,H,HV,dtype,kw,train,scan", [
+    (1, 8192, 96, 96, torch.bfloat16, SAFE, False, (16, 64, 4)),
+    (1, 8192, 64, 64, torch.bfloat16, SAFE, False, (16, 32, 2)),
+    (1, 8192, 48, 48, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, (16, 32, 2)),
+    (1, 8192, 32, 32, torch.bfloat16, SAFE, False, (16, 16, 2)),
+    (4, 4096, 4, 12, torch.float32, dict(gate=GateMode.SOFTPLUS), False, (16, 32, 2)),
+    (1, 32768, 16, 16, torch.bfloat16, SAFE, False, (32, 16, 4)),
+    (1, 32768, 16, 16, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, (16, 16, 2)),
+    (1, 32768, 8, 8, torch.bfloat16, SAFE, False, None),  # fewer pairs than short_min_pairs
+    (1, 8192, 1, 47, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, (16, 32, 2)),
+    (1, 8192, 64, 64, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), True, None),
+    (1, 8192, 64, 64, torch.bfloat16, dict(), False, None),
+    (1, 8192, 64, 64, torch.bfloat16, dict(safe_gate=True), False, (16, 32, 2)),
+    (1, 8192, 64, 64, torch.bfloat16, dict(gate=GateMode.SOFTPLUS, return_intermediate_states=True), False, None)])
+def test_short_path_choice(B, T, H, HV, dtype, kw, train, scan):
+    """The short path: inference calls of at least Tuning.short_min_pairs (16) sequence x value-head
     pairs with non-positive gates (bounded, or activated in the kernel), keys of at most 128 (values
-    too for float16 inputs, which form u in stage 1), no intermediate states. Its scan steps 16 tokens, 64 value columns, 3 stages (2 for
-    float32), the state held transposed; u formed there (X kept in float32) except for float16 inputs."""
+    too for float16 inputs, which form u in stage 1), no intermediate states. ``scan``: its step
+    (32 tokens, blocks merged in pairs, for bounded gates where 16-column programs would not
+    outnumber the H200's 132 SMs), value columns (64, halved while the programs are fewer than the
+    SMs) and warps (4 at 64 columns or 32-token steps, else 2); 3 stages (2 for float32), the state
+    held transposed; u formed there (X kept in float32) except for float16 inputs."""
     opts = opts_for(B, T, H, HV, dtype=dtype, **kw)
     p = plan_for(opts, dtype, train=train, short_min_pairs=P.Tuning().short_min_pairs)
+    short = scan is not None
     assert (p.short is not None) is short
     if short:
-        assert (p.forward.chunk, p.forward.BV, p.forward.launch.stages) == (16, 64, 3 if dtype != torch.float32 else 2)
+        assert (p.forward.chunk, p.forward.BV, p.forward.launch.warps) == scan and p.short.chunk == scan[0]
+        assert p.forward.launch.stages == (3 if dtype != torch.float32 else 2)
         assert p.forward.form_u and p.short.form_u and p.short.bounded is opts.safe_gate
         assert p.stage1 is None and p.recompute is None and p.backward is None
-        assert "short path" in p.describe() and "16-token steps" in p.describe()
+        assert "short path" in p.describe() and f"{scan[0]}-token steps" in p.describe()
+        assert ("merged in pairs" in p.describe()) is (scan[0] == 32)
         assert p.forward.state_t and "state held transposed" in p.describe()  # docs/kernels.md, "State orientation"
         # unbounded gates of bfloat16 inputs: one anchor on clamped gates; float16 and float32: the exact forms
         clamp = 12.0 if dtype == torch.bfloat16 and not opts.safe_gate else None
@@ -73,9 +85,6 @@ def test_short_path_choice(B, T, H, HV, dtype, kw, train, short):
     else:
         assert p.forward.chunk == opts.chunk_size and "short" not in p.describe()
         assert not p.forward.state_t and "transposed" not in p.describe()
-
-
-SAFE = dict(safe_gate=True, lower_bound=-5.0, gate=GateMode.LOWER_BOUND)
 
 
 @pytest.mark.parametrize("B,T,H,dtype,kw,train,pairs,segments", [
@@ -93,10 +102,10 @@ SAFE = dict(safe_gate=True, lower_bound=-5.0, gate=GateMode.LOWER_BOUND)
     (1, 32768, 64, torch.bfloat16, SAFE, False, None, 1)])  # pairs enough: the short path as it is
 def test_segment_count(B, T, H, dtype, kw, train, pairs, segments):
     """Inference calls that would take the short path but for their pairs are cut into the power
-    of two of segments that gives it its pairs, each of at least Tuning.segment_min_tokens; the
-    plan says so and leaves the rest to the segments' call."""
+    of two of segments that gives it its pairs (48 here), each of at least
+    Tuning.segment_min_tokens; the plan says so and leaves the rest to the segments' call."""
     opts = opts_for(B, T, H, dtype=dtype, **kw)
-    tuning = dict(short_min_pairs=P.Tuning().short_min_pairs, segment_min_tokens=2048)
+    tuning = dict(short_min_pairs=48, segment_min_tokens=2048)
     p = P.chunk_plan(opts, dtype, train, 1, H200, P.Tuning(**tuning), pairs=pairs)
     assert p.segments == segments
     if segments > 1:

@@ -169,9 +169,9 @@ def wu_x(p: Stage1) -> torch.Tensor:
 
 def short_forward(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, o_dtype: torch.dtype | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(o, final_state) of the short path: its stage 1 (short.py), then the scan over 16-token chunks.
+    """(o, final_state) of the short path: its stage 1 (short.py), then the scan over its chunks.
     ``o_dtype``: o's (default v's)."""
-    p = short_stage1(opts, plan, x, chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu, 16))
+    p = short_stage1(opts, plan, x, chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu, plan.short.chunk))
     o, ht, _, _ = fwd_scan(opts, plan, plan.forward, p.w, p.u, p.xs, p.qg, p.kd, p.Aqk, p.gl, p.chunk_indices,
                            p.chunk_offsets, p.NT_total, x, o_dtype)
     return o, ht

@@ -80,11 +80,17 @@ class Tuning:
     intra_levels_slice: int = 16  # the split's second pass (chunks that may take the half-segment levels)
     wu_slice: int = 32
     wu_slice_x16: int = 64
-    # the short path (inference: stage 1 in one kernel over 16-token chunks, the scan over them;
-    # the stage-1 fields above are the chunk-wide path's)
-    short_min_pairs: int | None = 48  # at least this many (sequence, value head) pairs (None: never)
-    short: Launch = Launch(2)
-    short_scan_bv: int = 64
+    # the short path (inference: stage 1 in one kernel over 16-token blocks, the scan over their
+    # chunks; the stage-1 fields above are the chunk-wide path's)
+    short_min_pairs: int | None = 16  # at least this many (sequence, value head) pairs (None: never)
+    short: Launch = Launch(2)  # 16-token chunks
+    # 32-token chunks (stage 1 merges its blocks in pairs) for bounded gates where the scan's
+    # 16-column programs would not outnumber the SMs; 16 or 32 forces the chunk
+    short_chunk: int | None = None
+    short_pair: Launch = Launch(2)  # 32-token chunks
+    short_scan_bv: int = 64  # the widest; halved (to 16) while the programs fill fewer than
+    short_scan_fill: int = 1  # this many per SM
+    short_scan_warps_narrow: int = 2  # 16-token steps below 64 columns (else scan_warps)
     short_scan_stages: int = 3
     # inference calls with fewer pairs than short_min_pairs: each sequence cut into segments of at
     # least this many tokens, run as sequences of their own (their state maps composed after), so
@@ -298,7 +304,8 @@ class Stage1Plan:
 
 @dataclass(frozen=True)
 class ShortPlan:
-    """Forward stage 1 on 16-token chunks in one kernel (short.py), for inference."""
+    """Forward stage 1 in one kernel (short.py), for inference: 16-token blocks, as chunks of their
+    own or merged in pairs into 32-token chunks (``chunk``)."""
 
     bounded: bool  # safe_gate: the middle anchor on every chunk (no span test)
     # unbounded gates: the middle anchor on every chunk, its gates clamped at -anchor_clamp (base 2);
@@ -311,6 +318,7 @@ class ShortPlan:
     heads_first: bool
     BK: int
     BV: int
+    chunk: int  # 16 or 32: the scan's step
     launch: Launch
 
 
@@ -326,7 +334,7 @@ class ScanPlan:
     split_output: bool  # o from kda_fwd_output_kernel
     output_bv: int
     output: Launch
-    chunk: int  # tokens per step (the call's chunk size, 16 on the short path)
+    chunk: int  # tokens per step (the call's chunk size; the short path's, ShortPlan.chunk)
     u_prec: str  # the product u = X (beta v) where the scan forms u
     h_state_layout: bool  # h in the state's layout (V-first states: [V, K]); h kept or split: [K, V]
     a_full: bool = False  # stage 1 wrote Aqk's whole chunk blocks, zeros above the diagonal (short path)
@@ -374,7 +382,7 @@ class ChunkPlan:
     forward: ScanPlan | None  # the call's own scan (None: segmented)
     recompute: ScanPlan | None  # training: the backward's recomputation of the scan
     backward: BackwardPlan | None
-    short: ShortPlan | None = None  # the short path: it replaces stage 1, the scan steps 16 tokens
+    short: ShortPlan | None = None  # the short path: it replaces stage 1, the scan steps its chunks
     segments: int = 1  # inference: each sequence cut into this many (segment_count), the call's plan then theirs
     segment_output: SegmentOutput | None = None  # with segments
 
@@ -388,13 +396,14 @@ class ChunkPlan:
                     f"  output: {so.rows} rows, {so.bv} value columns {_fmt(so.launch)}, products {so.prec}")
         if self.short is not None:
             sp, sc = self.short, self.forward
-            lines = [f"chunk plan: inference, 16-token chunks, products {self.dot.prec}"]
-            lines.append(f"  stage 1: short path, 16-token chunks in one kernel {_fmt(sp.launch)}; middle anchor"
+            lines = [f"chunk plan: inference, {sp.chunk}-token chunks, products {self.dot.prec}"]
+            blocks = "16-token blocks" + (" merged in pairs" if sp.chunk == 32 else "")
+            lines.append(f"  stage 1: short path, {blocks} in one kernel {_fmt(sp.launch)}; middle anchor"
                          + ("" if sp.bounded else f" on gates clamped at -{sp.anchor_clamp:g} (base 2)"
                             if sp.anchor_clamp else " (the halves on clamped gates where the gates span more)")
                          + f"; products {sp.prec}, inverse {sp.inv_prec}; "
                          + ("X float32 for the scan" if sp.form_u else "u in stage 1"))
-            lines.append(f"  scan: 16-token steps, {sc.BV} value columns {_fmt(sc.launch)}"
+            lines.append(f"  scan: {sc.chunk}-token steps, {sc.BV} value columns {_fmt(sc.launch)}"
                          + ("; state held transposed" if sc.state_t else "")
                          + (f"; forms u ({sc.u_prec})" if sc.form_u else ""))
             return "\n".join(lines)
@@ -476,6 +485,16 @@ def scan_bv(opts: KDAOptions, sms: int, tuning: Tuning) -> int:
     return min(pow2(s.V), bv)
 
 
+def short_scan_bv(opts: KDAOptions, sms: int, tuning: Tuning) -> int:
+    """Value columns per program of the short path's scan: Tuning.short_scan_bv, halved down to 16
+    while the programs would fill fewer than Tuning.short_scan_fill per SM (each program is one
+    chain of dependent products: more, narrower chains finish sooner until the SMs are full)."""
+    bv = min(pow2(opts.shape.V), tuning.short_scan_bv)
+    while bv > 16 and _scan_programs(opts, bv) < tuning.short_scan_fill * sms:
+        bv //= 2
+    return bv
+
+
 def _stage1(opts: KDAOptions, dtype: torch.dtype, train: bool, dev: Device, tuning: Tuning, dot: Dot) -> Stage1Plan:
     s = opts.shape
     whole = whole_gates(opts, tuning) and (not train or whole_backward(opts, dtype, tuning))
@@ -541,7 +560,7 @@ def short_path(opts: KDAOptions, dtype: torch.dtype, train: bool, tuning: Tuning
     the kernel), keys of at most 128 and values too unless the scan forms u (float16 inputs form it
     in stage 1, in one tile), no intermediate states asked for (they are the chunk size's), and
     enough (sequence, value head) pairs (``pairs``: forward.scan_pairs) that the scan's longer chain
-    of 16-token steps costs less than the chunk-wide stage 1 it saves (docs/kernels.md)."""
+    of 16- or 32-token steps costs less than the chunk-wide stage 1 it saves (docs/kernels.md)."""
     return (not train and tuning.short_min_pairs is not None and pairs >= tuning.short_min_pairs
             and (opts.safe_gate or opts.gate != GateMode.PREGATED) and not opts.return_intermediate_states
             and opts.shape.K <= 128 and (opts.shape.V <= 128 or dtype != torch.float16))
@@ -580,14 +599,18 @@ def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, do
     # off by at most 2^-12 |q_d k_d| per term (docs/math.md section 3); float16 and float32 inputs,
     # whose outputs that would show in, keep the exact forms
     clamp = SHORT_ANCHOR_CLAMP if dtype == torch.bfloat16 and not opts.safe_gate else None
+    if tuning.short_chunk not in (None, 16, 32):
+        raise ValueError(f"Tuning.short_chunk must be None, 16 or 32, got {tuning.short_chunk!r}")
+    chunk = tuning.short_chunk or (32 if opts.safe_gate and _scan_programs(opts, 16) <= dev.sm_count else 16)
     sp = ShortPlan(bounded=opts.safe_gate, anchor_clamp=clamp, prec=low, inv_prec=inv_prec, form_u=form_u,
                    softplus_form=softplus_form(dtype, dev.interpret, tuning), heads_first=tuning.heads_first,
-                   BK=BK, BV=BV, launch=tuning.short)
-    bv = min(BV, tuning.short_scan_bv)
+                   BK=BK, BV=BV, chunk=chunk, launch=tuning.short_pair if chunk == 32 else tuning.short)
+    bv = short_scan_bv(opts, dev.sm_count, tuning)
+    warps = tuning.scan_warps if bv >= 64 or chunk == 32 else tuning.short_scan_warps_narrow
     scan = ScanPlan(outputs=True, keep=False, form_u=form_u, BV=bv,
-                    launch=Launch(scan_warps(tuning.scan_warps, BK, bv),
+                    launch=Launch(scan_warps(warps, BK, bv),
                                   scan_stages(tuning.short_scan_stages, BK, bv, dtype.itemsize)),
-                    split_output=False, output_bv=min(BV, tuning.output_bv), output=tuning.output, chunk=16,
+                    split_output=False, output_bv=min(BV, tuning.output_bv), output=tuning.output, chunk=sp.chunk,
                     u_prec="tf32" if dtype == torch.bfloat16 else dot.prec, h_state_layout=opts.state_v_first,
                     a_full=True, state_t=True)
     return sp, scan

@@ -1,17 +1,19 @@
-"""Forward stage 1 on short chunks, in one kernel: 16-token chunks, each program one chunk of one
-value head (the plan's short path, inference; docs/kernels.md). From q, k, v, g, beta it writes
-what the state scan (scan.py, run with C = 16) reads:
+"""Forward stage 1 on short chunks, in one kernel: chunks of C = 16 tokens, or of C = 32 made of two
+16-token blocks, each program one chunk of one value head (the plan's short path, inference;
+docs/kernels.md). From q, k, v, g, beta it writes what the state scan (scan.py, run with that C) reads:
 
-    w   = X (beta k e^G)   [16, K]      u  = X (beta v) [16, V], or X itself [16, 16] (float32)
-    qg  = scale q e^G      [16, K]      kd = k e^(G_15 - G)    [16, K]
-    Aqk (j <= i, times scale) [16, 16]  gl = e^(G_15)          [K] (float32)
+    w   = X (beta k e^G)   [C, K]      u  = X (beta v) [C, V], or X itself [C, C] (float32)
+    qg  = scale q e^G      [C, K]      kd = k e^(G_last - G)  [C, K]
+    Aqk (j <= i, times scale) [C, C]   gl = e^(G_last)        [K] (float32)
 
-with G the cumulative gates from the chunk start (base 2) and X = (I + Diag(beta) Akk)^-1. Unbounded
-gates take the middle anchor where its factors stay within 2^SPAN, else the halves' anchors on gates
-clamped at -CLAMP (any gate: a factor the clamp changes is below 2^-CLAMP, exact or not). The
-anchors' exponents are differences of one cumulative sum that leaves out the gates of tokens 0 (in
-no factor) and 8 (added apart where it belongs, to exponents of its own sign). bfloat16 inputs take
-the middle anchor on gates clamped at -ANCHOR_CLAMP in every chunk instead: docs/math.md section 3.
+with G the cumulative gates from the chunk start (base 2) and X = (I + Diag(beta) Akk)^-1. Each
+16-token block is worked out on its own; a pair is then merged with block products whose decay
+factors are at most 1 (docs/math.md section 3). Unbounded gates take the middle anchor of a block
+where its factors stay within 2^SPAN, else the halves' anchors on gates clamped at -CLAMP (any gate:
+a factor the clamp changes is below 2^-CLAMP, exact or not). The anchors' exponents are differences
+of one cumulative sum that leaves out the gates of tokens 0 (in no factor) and 8 (added apart where it
+belongs, to exponents of its own sign). bfloat16 inputs take the middle anchor on gates clamped at
+-ANCHOR_CLAMP in every block instead: docs/math.md section 3.
 """
 
 from __future__ import annotations
@@ -64,34 +66,16 @@ def _halves(b_q, b_k, b_n, b_x, b_g8, o_i, PREC: tl.constexpr):
     return tl.where(m_half, b_Aw, b_Ax), tl.where(m_half, b_Kw, b_Kx)
 
 
-@triton.jit(do_not_specialize=["T"])
-def kda_fwd_short_kernel(
-    q, k, v, g, beta, A_log, dt_bias, w, u, xs, qg, kd, Aqk, gl, cu_seqlens, chunk_indices, scale, lower_bound, T,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, L2NORM: tl.constexpr,
-    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    BOUNDED: tl.constexpr, ANCHOR_CLAMP: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
-    FORM_U: tl.constexpr,
-):
-    """One 16-token chunk of one value head. Aqk and Akk from the middle anchor (token 8: factors
-    e^(G_i - G_8) on rows, e^(G_8 - G_j) on columns), their exponents differences of cumulative
-    gates: BOUNDED (gates >= -5 nats) keeps every factor within 2^58. Unbounded gates: a chunk whose
-    factors would pass 2^SPAN takes its halves' anchors (tokens 4 and 12, the second half's rows
-    against the first half's columns at token 7 with factors <= 1) on gates clamped at -CLAMP,
-    and e^(G_15 - G) from sums of the unclamped gates after each token. Unbounded gates below
-    -2^14 (base 2; -inf too) count as -2^14, which changes no factor; a NaN gate reaches its
-    feature's chunk decay, hence the state. ANCHOR_CLAMP > 0 (unbounded gates, bfloat16 inputs):
-    every chunk takes the middle anchor on gates clamped at -ANCHOR_CLAMP. PREC: the Aqk,
-    Akk, w and u products; INV_PREC: the inverse's.
-    FORM_U: X goes to xs (the scan forms u = X (beta v)), u is not written."""
-    _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, 16, IS_VARLEN, 1, HEADS_FIRST)
-    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
-        return
-    i_h = i_hv // (HV // H)
-    o_i = tl.arange(0, 16)
-    o_k = tl.arange(0, BK)
+@triton.jit
+def _short_block(q, k, g, beta, A_log, dt_bias, bos, t0, T_seq, i_h, i_hv, scale, lower_bound, o_i, o_k, m_k,
+                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, FAST: tl.constexpr, L2NORM: tl.constexpr, SIGMOID: tl.constexpr,
+                 BETA_SCALE: tl.constexpr, BOUNDED: tl.constexpr, ANCHOR_CLAMP: tl.constexpr, PREC: tl.constexpr,
+                 INV_PREC: tl.constexpr):
+    """One 16-token block at t0 (rows past T_seq: zero keys and gates): (Aqk scaled, lower with the
+    diagonal [16, 16]; X [16, 16]; qg = scale q e^G, kd = k e^(G_15 - G), beta k e^G [16, BK];
+    G_15 [BK]; beta [16]), G from the block start (kernel docstring)."""
     m_t = (t0 + o_i) < T_seq
-    m_k = o_k < K
     # activated gates, base 2, 0 on padding rows and columns   [16, BK]
     b_g = activate_gate(load_tile(g, bos, t0, T_seq, i_hv, HV, K, o_i, o_k), A_log, dt_bias, i_hv, o_k, m_k,
                         lower_bound, GATE, HAS_A, HAS_BIAS, K, FAST)
@@ -170,29 +154,92 @@ def kda_fwd_short_kernel(
         b_Aqk = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], b_Aqk)
     b_Aqk = tl.where(o_i[:, None] >= o_i[None, :], b_Aqk * scale, 0.0)
     b_X = inv_unit_lower(tl.where(o_i[:, None] > o_i[None, :], b_Akk * b_b[:, None], 0.0), o_i, INV_PREC)
+    return b_Aqk, b_X, b_q * b_e * scale, b_k * b_ed, b_k * b_b[:, None] * b_e, b_G15, b_b
 
-    store_tile(Aqk, b_Aqk, bos, t0, T_seq, i_hv, HV, 16, o_i, o_i)
-    store_tile(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
-    store_tile(kd, b_k * b_ed, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
-    store_tile(w, prod(b_X, b_k * b_b[:, None] * b_e, PREC), bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
-    tl.store(gl + i_p * K + o_k, tl.exp2(b_G15), mask=m_k)
+
+@triton.jit(do_not_specialize=["T"])
+def kda_fwd_short_kernel(
+    q, k, v, g, beta, A_log, dt_bias, w, u, xs, qg, kd, Aqk, gl, cu_seqlens, chunk_indices, scale, lower_bound, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
+    L2NORM: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, BOUNDED: tl.constexpr, ANCHOR_CLAMP: tl.constexpr, PREC: tl.constexpr,
+    INV_PREC: tl.constexpr, FORM_U: tl.constexpr,
+):
+    """One chunk of C = 16 tokens, or of C = 32 as two 16-token blocks merged, of one value head.
+    Per block: Aqk and Akk from the middle anchor (token 8: factors e^(G_i - G_8) on rows,
+    e^(G_8 - G_j) on columns), their exponents differences of cumulative gates: BOUNDED (gates >= -5
+    nats) keeps every factor within 2^58. Unbounded gates: a block whose factors would pass 2^SPAN
+    takes its halves' anchors (tokens 4 and 12, the second half's rows against the first half's
+    columns at token 7 with factors <= 1) on gates clamped at -CLAMP, and e^(G_15 - G) from sums of
+    the unclamped gates after each token. Unbounded gates below -2^14 (base 2; -inf too) count as
+    -2^14, which changes no factor; a NaN gate reaches its feature's chunk decay, hence the state.
+    ANCHOR_CLAMP > 0 (unbounded gates, bfloat16 inputs): every block takes the middle anchor on gates
+    clamped at -ANCHOR_CLAMP. PREC: the Aqk, Akk, w and u products and the merge's; INV_PREC: the
+    inverse's. FORM_U: X goes to xs (the scan forms u = X (beta v)), u is not written."""
+    _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1, HEADS_FIRST)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
+    i_h = i_hv // (HV // H)
+    o_i = tl.arange(0, 16)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    b_A, b_X, b_qg, b_kd, b_wk, b_G15, b_b = _short_block(
+        q, k, g, beta, A_log, dt_bias, bos, t0, T_seq, i_h, i_hv, scale, lower_bound, o_i, o_k, m_k, H, HV, K, GATE,
+        HAS_A, HAS_BIAS, FAST, L2NORM, SIGMOID, BETA_SCALE, BOUNDED, ANCHOR_CLAMP, PREC, INV_PREC)
+    o_v = tl.arange(0, BV)
+    b_w = prod(b_X, b_wk, PREC)
+    store_tile(Aqk, b_A, bos, t0, T_seq, i_hv, HV, C, o_i, o_i)
+    store_tile(qg, b_qg, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
+    store_tile(w, b_w, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
     if FORM_U:
-        tl.store(xs + i_p * 256 + o_i[:, None] * 16 + o_i[None, :], b_X)
+        tl.store(xs + i_p * (C * C) + o_i[:, None] * C + o_i[None, :], b_X)
     else:
-        o_v = tl.arange(0, BV)
-        b_v = load_tile(v, bos, t0, T_seq, i_hv, HV, V, o_i, o_v) * b_b[:, None]
-        store_tile(u, prod(b_X, b_v, PREC), bos, t0, T_seq, i_hv, HV, V, o_i, o_v)
+        b_u = prod(b_X, load_tile(v, bos, t0, T_seq, i_hv, HV, V, o_i, o_v) * b_b[:, None], PREC)
+        store_tile(u, b_u, bos, t0, T_seq, i_hv, HV, V, o_i, o_v)
+    if C == 16:
+        store_tile(kd, b_kd, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
+        b_gl = tl.exp2(b_G15)
+    else:
+        # the second block b after the first a, as one chunk (docs/math.md section 3): with
+        # M = w_b kd_a^T its rows take w_b e^(G_a) - M w_a, u_b - M u_a (X: -M X_a left of X_b),
+        # qg_b e^(G_a) and Aqk [qg_b kd_a^T, Aqk_b]; the first block's kd takes e^(G_b)
+        t1 = t0 + 16
+        b_ga = tl.exp2(b_G15)
+        b_A1, b_X1, b_qg1, b_kd1, b_wk1, b_G151, b_b1 = _short_block(
+            q, k, g, beta, A_log, dt_bias, bos, t1, T_seq, i_h, i_hv, scale, lower_bound, o_i, o_k, m_k, H, HV, K,
+            GATE, HAS_A, HAS_BIAS, FAST, L2NORM, SIGMOID, BETA_SCALE, BOUNDED, ANCHOR_CLAMP, PREC, INV_PREC)
+        b_gb = tl.exp2(b_G151)
+        b_w1 = prod(b_X1, b_wk1, PREC)
+        b_kdt = tl.trans(b_kd)
+        b_M = prod(b_w1, b_kdt, PREC)  # [16, 16]
+        store_tile(kd, b_kd * b_gb[None, :], bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
+        store_tile(kd, b_kd1, bos, t1, T_seq, i_hv, HV, K, o_i, o_k)
+        store_tile(Aqk, tl.zeros([16, 16], dtype=tl.float32), bos, t0, T_seq, i_hv, HV, C, o_i, 16 + o_i)
+        store_tile(Aqk, prod(b_qg1, b_kdt, PREC), bos, t1, T_seq, i_hv, HV, C, o_i, o_i)
+        store_tile(Aqk, b_A1, bos, t1, T_seq, i_hv, HV, C, o_i, 16 + o_i)
+        store_tile(qg, b_qg1 * b_ga[None, :], bos, t1, T_seq, i_hv, HV, K, o_i, o_k)
+        store_tile(w, b_w1 * b_ga[None, :] - prod(b_M, b_w, PREC), bos, t1, T_seq, i_hv, HV, K, o_i, o_k)
+        if FORM_U:
+            p_x = xs + i_p * (C * C) + (16 + o_i[:, None]) * C + o_i[None, :]
+            tl.store(p_x, -prod(b_M, b_X, PREC))
+            tl.store(p_x + 16, b_X1)
+        else:
+            b_u1 = prod(b_X1, load_tile(v, bos, t1, T_seq, i_hv, HV, V, o_i, o_v) * b_b1[:, None], PREC)
+            store_tile(u, b_u1 - prod(b_M, b_u, PREC), bos, t1, T_seq, i_hv, HV, V, o_i, o_v)
+        b_gl = b_ga * b_gb
+    tl.store(gl + i_p * K + o_k, b_gl, mask=m_k)
 
 
 class ShortStage1(NamedTuple):
-    """What the short path's stage 1 leaves for the scan (16-token chunks)."""
+    """What the short path's stage 1 leaves for the scan (chunks of C = ShortPlan.chunk tokens)."""
 
     w: torch.Tensor  # [B, T, HV, K] input dtype
     u: torch.Tensor | None  # [B, T, HV, V] input dtype (None: the scan forms u from xs)
-    xs: torch.Tensor | None  # X of every chunk [NT, HV, 16, 16] float32 (the scan forms u)
+    xs: torch.Tensor | None  # X of every chunk [NT, HV, C, C] float32 (the scan forms u)
     qg: torch.Tensor  # [B, T, HV, K]
     kd: torch.Tensor  # [B, T, HV, K]
-    Aqk: torch.Tensor  # [B, T, HV, 16]
+    Aqk: torch.Tensor  # [B, T, HV, C]
     gl: torch.Tensor  # chunk decays [NT, HV, K] float32
     chunk_indices: torch.Tensor | None
     chunk_offsets: torch.Tensor | None
@@ -201,20 +248,21 @@ class ShortStage1(NamedTuple):
 
 def short_stage1(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs,
                  tables: tuple[torch.Tensor | None, torch.Tensor | None, int]) -> ShortStage1:
-    """Stage 1 of the short path; ``tables``: (chunk_indices, chunk_offsets, chunks) of 16-token chunks."""
+    """Stage 1 of the short path; ``tables``: (chunk_indices, chunk_offsets, chunks) of its chunks."""
     s, sp = opts.shape, plan.short
+    C = sp.chunk
     B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
     dev, dt = x.q.device, x.q.dtype
     chunk_indices, chunk_offsets, NT = tables
     w, qg, kd = (new_empty(B, T, HV, K, dtype=dt, device=dev) for _ in range(3))
     u = None if sp.form_u else new_empty(B, T, HV, V, dtype=dt, device=dev)
-    xs = new_empty(NT, HV, 16, 16, dtype=torch.float32, device=dev) if sp.form_u else None
-    Aqk = new_empty(B, T, HV, 16, dtype=dt, device=dev)
+    xs = new_empty(NT, HV, C, C, dtype=torch.float32, device=dev) if sp.form_u else None
+    Aqk = new_empty(B, T, HV, C, dtype=dt, device=dev)
     gl = new_empty(NT, HV, K, dtype=torch.float32, device=dev)
     if NT > 0:
         launch(kda_fwd_short_kernel, chunk_grid(NT, HV, sp.heads_first),
                x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, w, u, xs, qg, kd, Aqk, gl, x.cu_seqlens, chunk_indices,
-               opts.scale, **gate_launch(opts, x.A_log, x.dt_bias), T=T, H=H, HV=HV, K=K, V=V, BK=sp.BK, BV=sp.BV,
+               opts.scale, **gate_launch(opts, x.A_log, x.dt_bias), T=T, H=H, HV=HV, K=K, V=V, BK=sp.BK, BV=sp.BV, C=C,
                FAST=sp.softplus_form, L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
                IS_VARLEN=x.cu_seqlens is not None, HEADS_FIRST=sp.heads_first, BOUNDED=sp.bounded,
                ANCHOR_CLAMP=sp.anchor_clamp or 0.0, PREC=sp.prec,
