@@ -339,7 +339,7 @@ def short_case(axis: str) -> Case:
 def test_short_path(axis, chunk, rng, tune, launch_log):
     """The short path (stage 1 in one kernel over 16-token blocks, as chunks or merged in pairs, the
     scan stepping ``chunk`` tokens), on every axis, against the reference; forced here (the plan takes
-    it from 48 sequence x value-head pairs on). Its launches: the short kernel and the scan, nothing of
+    it from 16 sequence x value-head pairs on). Its launches: the short kernel and the scan, nothing of
     the chunk-wide stage 1; u from the scan (X kept) except for float16 inputs."""
     tune(short_min_pairs=1, short_chunk=chunk)
     case = short_case(axis)
@@ -471,9 +471,10 @@ def scan_of(opts, plan, sc, s1, xs, inp):
 def test_short_path_clamped_anchor(axis, chunk, rng, tune):
     """bfloat16 inputs of unbounded gates: the short kernel takes the middle anchor on gates clamped
     at -12 (base 2) in every 16-token block (ShortPlan.anchor_clamp); on the layouts of
-    test_short_path_any_gate its output is within 3% of the exact forms' error against the float64
+    test_short_path_any_gate its output is within 5% of the exact forms' error against the float64
     reference (the middle anchor or the halves on gates clamped at -24, run on the same inputs: the
-    same stage 1 but for the plan's clamp); a clamp at -6 is 11% to 36% further off. The clamp
+    same stage 1 but for the plan's clamp): over 40 seeds within 1.4% but for one (2.9%), where a
+    clamp at -6 is 11% to 36% further off. The clamp
     leaves the decays alone: the final state differs from the exact forms' only by the order of
     float32 sums (up to 5% of its error either way) and is held to the bfloat16 tolerance.
     ``chunk``: the short path's chunks (16-token blocks merged in pairs at 32)."""
@@ -496,7 +497,7 @@ def test_short_path_clamped_anchor(axis, chunk, rng, tune):
             s1 = short_stage1_of(opts, p, inp)
             o, ht, _, _ = scan_of(opts, p, p.forward, s1, s1.xs, inp)
             errors[form] = (rel_rms(o, o_ref), rel_rms(ht, s_ref))
-    assert errors["clamped"][0] <= 1.03 * errors["exact"][0], errors
+    assert errors["clamped"][0] <= 1.05 * errors["exact"][0], errors
     assert errors["clamped"][1] <= tol_for(torch.bfloat16, "triton"), errors
 
 
