@@ -107,14 +107,14 @@ def test_graph_mode_backward(backend, name, rng):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("short", [False, True], ids=["chunk", "short"])
+@pytest.mark.parametrize("short", [None, 16, 32], ids=["chunk", "short", "short_pairs"])
 def test_graph_mode_new_boundaries(backend, short, rng, tune, launch_log):
     """One set of shapes, boundaries changed in place between calls (what a CUDA graph replays):
     each call follows its own boundaries, with more, fewer or no real sequences. ``short``: the
-    Triton backend's short path forced."""
+    Triton backend's short path forced, on chunks of that many tokens (32: blocks merged in pairs)."""
     if short and backend != "triton":
         pytest.skip("the short path is the Triton backend's")
-    tune(short_min_pairs=1 if short else None)
+    tune(short_min_pairs=1 if short else None, short_chunk=short)
     case = grow(Case(seqlens=(30, 20, 50), gate="lowerbound", initial_state=False, final_state=True), GPU)
     x = make_inputs(case, device=DEVICE, generator=rng)
     T = x["q"].shape[1]
@@ -124,7 +124,7 @@ def test_graph_mode_new_boundaries(backend, short, rng, tune, launch_log):
         cu.copy_(torch.tensor(bounds + [bounds[-1]] * (6 - len(bounds)), dtype=torch.int32))
         with use_backend(backend):
             o, s = chunk_kda(**{**x, "cu_seqlens": cu}, use_graph=True, max_num_seqs=5)
-        assert bool(launched(launch_log, "kda_fwd_short_kernel")) is short
+        assert [e.args["C"] for e in launch_log if e.name == "kda_fwd_short_kernel"] == ([short] if short else [])
         launch_log.clear()
         n = bounds[-1]
         if n:
