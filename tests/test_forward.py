@@ -474,9 +474,9 @@ def test_short_path_clamped_anchor(axis, chunk, rng, tune):
     test_short_path_any_gate its output is within 5% of the exact forms' error against the float64
     reference (the middle anchor or the halves on gates clamped at -24, run on the same inputs: the
     same stage 1 but for the plan's clamp): over 40 seeds within 1.4% but for one (2.9%), where a
-    clamp at -6 is 11% to 36% further off. The clamp
-    leaves the decays alone: the final state differs from the exact forms' only by the order of
-    float32 sums (up to 5% of its error either way) and is held to the bfloat16 tolerance.
+    clamp at -6 is 11% to 36% further off. The clamp leaves the decays alone: the final state
+    differs from the exact forms' only by the order of float32 sums (up to 5% of its error either
+    way) and is held to the bfloat16 tolerance.
     ``chunk``: the short path's chunks (16-token blocks merged in pairs at 32)."""
     import dataclasses
 

@@ -87,6 +87,19 @@ def test_short_path_choice(B, T, H, HV, dtype, kw, train, scan):
         assert not p.forward.state_t and "transposed" not in p.describe()
 
 
+@pytest.mark.parametrize("chunk", [16, 32, 24, 64, 0])
+def test_short_chunk_forced(chunk):
+    """Tuning.short_chunk forces the short path's chunk where it is 16 or 32, whatever the gates and
+    heads; any other value is refused with a ValueError naming it (0 too: None is the plan's choice)."""
+    opts = opts_for(1, 8192, 64, 64, dtype=torch.bfloat16, gate=GateMode.SOFTPLUS)
+    if chunk in (16, 32):
+        p = plan_for(opts, short_min_pairs=16, short_chunk=chunk)
+        assert p.short.chunk == p.forward.chunk == chunk and f"{chunk}-token steps" in p.describe()
+    else:
+        with pytest.raises(ValueError, match=f"short_chunk must be None, 16 or 32, got {chunk}"):
+            plan_for(opts, short_min_pairs=16, short_chunk=chunk)
+
+
 @pytest.mark.parametrize("B,T,H,dtype,kw,train,pairs,segments", [
     (1, 32768, 16, torch.bfloat16, SAFE, False, None, 4),
     (1, 32768, 16, torch.float32, dict(gate=GateMode.SOFTPLUS), False, None, 4),
