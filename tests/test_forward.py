@@ -359,6 +359,55 @@ def test_short_path(axis, chunk, rng, tune, launch_log):
         check("final_state", s, s_ref, tol)
 
 
+PARTS = {  # one sequence, cut along its tokens: (case, short_part_tokens)
+    "safe": (Case(T=150, gate="safe", dtype=torch.bfloat16, l2norm=True, beta_sigmoid=True), 40),
+    "softplus_vfirst": (Case(T=150, gate="softplus", dtype=torch.bfloat16, state_v_first=True), 40),
+    "no_states": (Case(T=100, gate="safe", initial_state=False, final_state=False), 32),
+    "varlen_one": (Case(seqlens=(97,), gate="lowerbound", dtype=torch.float16, l2norm=True), 16),
+}
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("axis", list(PARTS))
+def test_short_parts(axis, chunk, rng, tune, launch_log):
+    """One sequence cut into parts along its tokens (each part's stage 1 beside the scan of the part
+    before, on two streams on a GPU): o and the final state bit for bit those of one scan over the
+    whole sequence, and within the reference's tolerance; the launches alternate stage 1 and scan,
+    each part's scan from the state that the one before left."""
+    case, part = PARTS[axis]
+    if GPU:  # real shapes: parts of 4096 tokens, the last one shorter
+        case, part = case.replace(T=3 * 4096 + 129, K=128, V=128, H=4, HV=4, seqlens=None), 4096
+        if axis == "varlen_one":
+            case = case.replace(seqlens=(case.T,))
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    tune(short_min_pairs=1, short_chunk=chunk, short_part_tokens=None)
+    with use_backend("triton"), torch.no_grad():
+        o1, s1 = chunk_kda(**x, chunk_size=case.chunk_size)
+    whole = len(launch_log)
+    tune(short_part_tokens=part, short_parts=8, short_parts_fill=1 << 20)
+    with use_backend("triton"), torch.no_grad():
+        o, s = chunk_kda(**x, chunk_size=case.chunk_size)
+    parts = launch_log[whole:]
+    T = x["q"].shape[1]
+    n = min(8, T // part)
+    tokens = -(-(-(-T // n)) // chunk) * chunk
+    assert [e.name for e in parts] == ["kda_fwd_short_kernel", "kda_fwd_scan_kernel"] * -(-T // tokens)
+    for i, (s1_launch, scan) in enumerate(zip(parts[::2], parts[1::2])):
+        assert s1_launch.args["T"] == scan.args["T"] == min(tokens, T - i * tokens)
+        if i > 0:
+            assert scan.args["h0"] is parts[2 * i - 1].args["ht"]
+    assert torch.equal(o, o1)
+    assert (s is None) is (s1 is None) is (not case.final_state)
+    if s is not None:
+        assert torch.equal(s, s1)
+    o_ref, s_ref = reference(x)
+    tol = tol_for(case.dtype, "triton")
+    check("o", o, o_ref, tol)
+    if case.final_state:
+        check("final_state", s, s_ref, tol)
+
+
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("lens,short", [((26, 26, 26, 25), True), ((100, 1, 1, 1), False), ((30, 0, 30, 30, 13), True)])
 def test_short_path_counts_the_longest_sequence(lens, short, rng, tune, launch_log):

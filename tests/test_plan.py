@@ -100,6 +100,38 @@ def test_short_chunk_forced(chunk):
             plan_for(opts, short_min_pairs=16, short_chunk=chunk)
 
 
+@pytest.mark.parametrize("B,T,H,kw,parts", [
+    (1, 32768, 16, SAFE, (8, 4096)),  # 16-column programs: 128 on 132 SMs
+    (1, 32768, 16, dict(gate=GateMode.SOFTPLUS), (8, 4096)),
+    (1, 30000, 16, SAFE, (7, 4288)),  # parts of whole 32-token chunks, the last shorter
+    (1, 12000, 32, SAFE, (2, 6000)),  # 16-token chunks at 256 programs: 2 per SM, 2 parts of >= 4096
+    (1, 8192, 64, SAFE, (2, 4096)),  # 32-column programs: 256
+    (1, 8192, 96, SAFE, (2, 4096)),  # 64-column programs: 192
+    (1, 8192, 160, SAFE, (1, 8192)),  # 64-column programs: 320, more than 2 per SM
+    (1, 8191, 64, SAFE, (1, 8191)),  # one part of 4096 at most
+    (2, 32768, 8, SAFE, (1, 32768)),  # two sequences: never cut
+    (1, 32768, 16, dict(safe_gate=True, graph=True), (1, 32768))])  # use_graph: never cut
+def test_short_parts_choice(B, T, H, kw, parts):
+    """A short-path call on one sequence whose scan has at most 2 programs per SM is cut along its
+    tokens into parts of at least 4096 (at most 8, each a whole number of chunks but the last), each
+    part's stage 1 beside the scan of the one before; explain says so."""
+    opts = opts_for(B, T, H, H, dtype=torch.bfloat16, **kw)
+    p = plan_for(opts, short_min_pairs=16)
+    assert (p.short.parts, p.short.part_tokens) == parts
+    assert p.short.part_tokens % p.short.chunk == 0 or parts[0] == 1
+    assert ("parts of" in p.describe()) is (parts[0] > 1)
+    assert plan_for(opts, short_min_pairs=16, short_part_tokens=None).short.parts == 1
+
+
+@pytest.mark.parametrize("field,value", [("short_part_tokens", 0), ("short_part_tokens", -5), ("short_parts", 0)])
+def test_short_parts_refuses(field, value):
+    """Tuning.short_part_tokens below 1 (None: never cut) and Tuning.short_parts below 1 are refused
+    with a ValueError naming the field and the value."""
+    opts = opts_for(1, 32768, 16, 16, dtype=torch.bfloat16, **SAFE)
+    with pytest.raises(ValueError, match=f"{field} must be .*, got {value}"):
+        plan_for(opts, short_min_pairs=16, **{field: value})
+
+
 @pytest.mark.parametrize("B,T,H,dtype,kw,train,pairs,segments", [
     (1, 32768, 16, torch.bfloat16, SAFE, False, None, 4),
     (1, 32768, 16, torch.float32, dict(gate=GateMode.SOFTPLUS), False, None, 4),

@@ -13,12 +13,14 @@ backward); ``stage1_wu`` the w/u kernel (which the backward recomputes, with the
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import NamedTuple
 
 import torch
 
 from ...alloc import new_empty
-from ...options import GateMode, KDAInputs, KDAOptions, graph_chunk_slots
+from ...options import GateMode, KDAInputs, KDAOptions, KDAShape, graph_chunk_slots
 from ...seqlens import seqlens_derived
 from .chunk_gates import kda_fwd_gates_kernel
 from .common import chunk_grid, chunk_tables, chunk_tables_static, gate_launch, launch
@@ -171,6 +173,8 @@ def short_forward(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, o_dtype: torc
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(o, final_state) of the short path: its stage 1 (short.py), then the scan over its chunks.
     ``o_dtype``: o's (default v's)."""
+    if plan.short.parts > 1:
+        return _short_forward_parts(opts, plan, x, o_dtype)
     p = short_stage1(opts, plan, x, chunk_tables_of(opts, x.cu_seqlens, x.cu_seqlens_cpu, plan.short.chunk))
     o, ht, _, _ = fwd_scan(opts, plan, plan.forward, p.w, p.u, p.xs, p.qg, p.kd, p.Aqk, p.gl, p.chunk_indices,
                            p.chunk_offsets, p.NT_total, x, o_dtype)
@@ -191,3 +195,55 @@ def forward_stages(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, x: KDAInpu
     o, ht, h, vn = fwd_scan(opts, plan, scan, p.w, p.u, wu_x(p), p.qg, p.kd, p.Aqk, p.gl, p.chunk_indices,
                             p.chunk_offsets, p.NT_total, x, o_dtype)
     return p, o, ht, h, vn
+
+
+_SCAN_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _scan_stream(dev: torch.device) -> torch.cuda.Stream:
+    """The stream of a device on which the parts' scans run: high priority, so that a scan's programs
+    start before the queued programs of a later part's stage 1."""
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    stream = _SCAN_STREAMS.get(index)
+    if stream is None:
+        stream = _SCAN_STREAMS[index] = torch.cuda.Stream(index, priority=-1)
+    return stream
+
+
+def _short_forward_parts(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, o_dtype: torch.dtype | None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The short path on one sequence cut into ``plan.short.parts`` along its tokens: each part's
+    stage 1 on the caller's stream, each part's scan on ``_scan_stream`` once that stage 1 is done,
+    from the final state of the part before (float32, exact), so that the next part's stage 1 runs
+    beside it; the outputs are those of one scan over the whole sequence, bit for bit. Every tensor
+    is allocated on the caller's stream, which waits for the scans before it returns."""
+    s, sp = opts.shape, plan.short
+    T, HV, V, L = s.T, s.HV, s.V, sp.part_tokens
+    dev = x.q.device
+    o = new_empty(1, T, HV, V, dtype=o_dtype or x.v.dtype, device=dev)
+    states = [new_empty(1, HV, *opts.state_shape, dtype=torch.float32, device=dev)
+              for _ in range(sp.parts if opts.output_final_state else sp.parts - 1)]
+    cuda = dev.type == "cuda"
+    main = torch.cuda.current_stream(dev) if cuda else None
+    side = _scan_stream(dev) if cuda else None
+    kept = []  # every part's stage 1, alive until the caller's stream has waited for the scans
+    h0 = x.initial_state
+    for i in range(sp.parts):
+        t0, t1 = i * L, min((i + 1) * L, T)
+        last = i == sp.parts - 1
+        opts_p = dataclasses.replace(opts, shape=KDAShape(1, t1 - t0, s.H, HV, s.K, V, 1),
+                                     output_final_state=not last or opts.output_final_state)
+        x_p = KDAInputs(*(t[:, t0:t1] for t in (x.q, x.k, x.v, x.g, x.beta)), x.A_log, x.dt_bias, h0)
+        p = short_stage1(opts_p, plan, x_p, (None, None, cdiv(t1 - t0, sp.chunk)))
+        kept.append(p)
+        ht = states[i] if i < len(states) else None
+        if cuda:
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            fwd_scan(opts_p, plan, plan.forward, p.w, p.u, p.xs, p.qg, p.kd, p.Aqk, p.gl, None, None, p.NT_total, x_p,
+                     o_out=o[:, t0:t1], ht_out=ht)
+        h0 = ht
+    if cuda:
+        main.wait_stream(side)
+    del kept
+    return o, states[-1] if opts.output_final_state else None

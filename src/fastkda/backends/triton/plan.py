@@ -92,6 +92,12 @@ class Tuning:
     short_scan_fill: int = 1  # this many per SM
     short_scan_warps_narrow: int = 2  # 16-token steps below 64 columns (else scan_warps)
     short_scan_stages: int = 3
+    # one long sequence whose scan has at most short_parts_fill programs per SM: cut along its tokens
+    # into at most short_parts parts of at least short_part_tokens, each part's stage 1 running beside
+    # the scan of the part before (two streams; None: never)
+    short_part_tokens: int | None = 4096
+    short_parts: int = 8
+    short_parts_fill: int = 2
     # inference calls with fewer pairs than short_min_pairs: each sequence cut into segments of at
     # least this many tokens, run as sequences of their own (their state maps composed after), so
     # that the short path has its pairs (None: never)
@@ -320,6 +326,8 @@ class ShortPlan:
     BV: int
     chunk: int  # 16 or 32: the scan's step
     launch: Launch
+    parts: int = 1  # the sequence cut along its tokens (short_parts): stage 1 of one part beside the scan of the last
+    part_tokens: int = 0  # tokens per part (a multiple of chunk; the last part may be shorter)
 
 
 @dataclass(frozen=True)
@@ -406,6 +414,9 @@ class ChunkPlan:
             lines.append(f"  scan: {sc.chunk}-token steps, {sc.BV} value columns {_fmt(sc.launch)}"
                          + ("; state held transposed" if sc.state_t else "")
                          + (f"; forms u ({sc.u_prec})" if sc.form_u else ""))
+            if sp.parts > 1:
+                lines.append(f"  parts: the sequence cut into {sp.parts} parts of {sp.part_tokens} tokens, the stage 1 "
+                             "of each beside the scan of the one before (two streams)")
             return "\n".join(lines)
         s = self.stage1
         lines = [f"chunk plan: {'training' if self.train else 'inference'}, {self.chunks} chunk slots, "
@@ -493,6 +504,27 @@ def short_scan_bv(opts: KDAOptions, sms: int, tuning: Tuning) -> int:
     while bv > 16 and _scan_programs(opts, bv) < tuning.short_scan_fill * sms:
         bv //= 2
     return bv
+
+
+def short_parts(opts: KDAOptions, chunk: int, programs: int, sms: int, tuning: Tuning) -> tuple[int, int]:
+    """(parts, tokens per part) of a short-path call: one sequence (B = 1, not use_graph) whose scan
+    runs at most Tuning.short_parts_fill ``programs`` per SM (the SMs mostly idle through its chain)
+    is cut along its tokens into parts of at least Tuning.short_part_tokens, at most
+    Tuning.short_parts of them, each a multiple of ``chunk`` tokens but the last, so that the stage 1
+    of each part runs beside the scan of the part before (forward.short_forward). (1, T): not cut."""
+    s = opts.shape
+    if tuning.short_part_tokens is not None and tuning.short_part_tokens < 1:
+        raise ValueError(f"Tuning.short_part_tokens must be None or positive, got {tuning.short_part_tokens!r}")
+    if tuning.short_parts < 1:
+        raise ValueError(f"Tuning.short_parts must be positive, got {tuning.short_parts!r}")
+    if (tuning.short_part_tokens is None or s.B != 1 or s.N != 1 or opts.graph
+            or programs > tuning.short_parts_fill * sms):
+        return 1, s.T
+    parts = min(tuning.short_parts, s.T // tuning.short_part_tokens)
+    if parts < 2:
+        return 1, s.T
+    tokens = cdiv(cdiv(s.T, parts), chunk) * chunk
+    return cdiv(s.T, tokens), tokens
 
 
 def _stage1(opts: KDAOptions, dtype: torch.dtype, train: bool, dev: Device, tuning: Tuning, dot: Dot) -> Stage1Plan:
@@ -602,15 +634,17 @@ def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, do
     if tuning.short_chunk not in (None, 16, 32):
         raise ValueError(f"Tuning.short_chunk must be None, 16 or 32, got {tuning.short_chunk!r}")
     chunk = tuning.short_chunk or (32 if opts.safe_gate and _scan_programs(opts, 16) <= dev.sm_count else 16)
+    bv = short_scan_bv(opts, dev.sm_count, tuning)
+    parts, part_tokens = short_parts(opts, chunk, _scan_programs(opts, bv), dev.sm_count, tuning)
     sp = ShortPlan(bounded=opts.safe_gate, anchor_clamp=clamp, prec=low, inv_prec=inv_prec, form_u=form_u,
                    softplus_form=softplus_form(dtype, dev.interpret, tuning), heads_first=tuning.heads_first,
-                   BK=BK, BV=BV, chunk=chunk, launch=tuning.short_pair if chunk == 32 else tuning.short)
-    bv = short_scan_bv(opts, dev.sm_count, tuning)
+                   BK=BK, BV=BV, chunk=chunk, launch=tuning.short_pair if chunk == 32 else tuning.short,
+                   parts=parts, part_tokens=part_tokens)
     warps = tuning.scan_warps if bv >= 64 or chunk == 32 else tuning.short_scan_warps_narrow
     scan = ScanPlan(outputs=True, keep=False, form_u=form_u, BV=bv,
                     launch=Launch(scan_warps(warps, BK, bv),
                                   scan_stages(tuning.short_scan_stages, BK, bv, dtype.itemsize)),
-                    split_output=False, output_bv=min(BV, tuning.output_bv), output=tuning.output, chunk=sp.chunk,
+                    split_output=False, output_bv=min(BV, tuning.output_bv), output=tuning.output, chunk=chunk,
                     u_prec="tf32" if dtype == torch.bfloat16 else dot.prec, h_state_layout=opts.state_v_first,
                     a_full=True, state_t=True)
     return sp, scan

@@ -129,12 +129,13 @@ def kda_fwd_scan_kernel(
 
 
 def fwd_scan(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, w, u, xs, qg, kd, Aqk, gl, chunk_indices,
-             chunk_offsets, NT_total: int, x: KDAInputs, o_dtype: torch.dtype | None = None):
+             chunk_offsets, NT_total: int, x: KDAInputs, o_dtype: torch.dtype | None = None, o_out=None, ht_out=None):
     """Launch stage 2 on stage 1's tensors. Returns (o, final_state, h, v'), each None unless asked
     for: ``scan.outputs`` gives o and the final state (if the options ask for it); ``scan.keep``
     gives what the backward needs, h in [K, V] order and v' (both in the input dtype); otherwise h
     only with ``return_intermediate_states`` (float32, in the state layout). With ``scan.form_u``
-    (u None) the scan forms u from ``xs``, v and beta. ``o_dtype``: o's (default v's)."""
+    (u None) the scan forms u from ``xs``, v and beta. ``o_dtype``: o's (default v's). ``o_out``,
+    ``ht_out``: written instead of new tensors (o's and the final state's shapes, contiguous)."""
     s, C = opts.shape, scan.chunk
     B, T, HV, K, V, N = s.B, s.T, s.HV, s.K, s.V, s.N
     dev, dt = w.device, w.dtype
@@ -142,10 +143,11 @@ def fwd_scan(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, w, u, xs, qg, kd
         raise RuntimeError("fwd_scan: u must be None exactly where the scan forms it")
     if Aqk.shape[-1] != scan.chunk:
         raise RuntimeError(f"fwd_scan: stage 1 made chunks of {Aqk.shape[-1]} tokens, the scan steps {scan.chunk}")
-    o = out_alloc(opts)(B, T, HV, V, dtype=o_dtype or x.v.dtype, device=dev) if scan.outputs else None
-    ht = None
+    o = ht = None
+    if scan.outputs:
+        o = o_out if o_out is not None else out_alloc(opts)(B, T, HV, V, dtype=o_dtype or x.v.dtype, device=dev)
     if scan.outputs and opts.output_final_state:
-        ht = new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev)
+        ht = ht_out if ht_out is not None else new_empty(N, HV, *opts.state_shape, dtype=torch.float32, device=dev)
     h = vn = None
     if scan.keep or scan.split_output:  # in the input dtype: the products that read them take it anyway
         h = new_empty(NT_total, HV, K, V, dtype=dt, device=dev)
