@@ -44,6 +44,47 @@ def test_real_shapes(backend, path, name, rng, tune):
     check("final_state", s, s_ref, tol_for(case.dtype, backend))
 
 
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("how", ["caller_stream", "graph"])
+def test_short_parts_streams(how, rng, tune):
+    """A call cut into parts (its scans on a stream of their own) issued from a caller's stream right
+    after that stream wrote the inputs, or captured in a CUDA graph and replayed on new inputs: the
+    outputs of one uncut call on the same inputs, bit for bit."""
+    from fastkda import explain
+    from fastkda.backends.triton.plan import tuned
+
+    case = Case(T=3 * 4096 + 129, H=4, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="safe", l2norm=True,
+                beta_sigmoid=True)
+    tune(short_min_pairs=1)
+    x = make_inputs(case, device="cuda", generator=rng)
+    fresh = make_inputs(case, device="cuda", generator=rng)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    with use_backend("triton"), torch.inference_mode():
+        assert "parts:" in str(explain(chunk_kda, **x).plan)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            if how == "caller_stream":
+                for n in names:  # written on the caller's stream just before the call
+                    x[n].copy_(fresh[n])
+                o, s = chunk_kda(**x)
+            else:
+                chunk_kda(**x)  # compiled and warmed on a side stream, as graph capture asks
+        torch.cuda.current_stream().wait_stream(side)
+        if how == "graph":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                o, s = chunk_kda(**x)
+            for n in names:
+                x[n].copy_(fresh[n])
+            o.fill_(float("nan"))
+            graph.replay()
+        torch.cuda.synchronize()
+        with tuned(short_part_tokens=None):
+            o1, s1 = chunk_kda(**fresh)
+    assert torch.equal(o, o1) and torch.equal(s, s1)
+
+
 @pytest.mark.bigmem
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_more_than_2_31_elements(backend):

@@ -109,12 +109,13 @@ def test_short_chunk_forced(chunk):
     (1, 8192, 96, SAFE, (2, 4096)),  # 64-column programs: 192
     (1, 8192, 160, SAFE, (1, 8192)),  # 64-column programs: 320, more than 2 per SM
     (1, 8191, 64, SAFE, (1, 8191)),  # one part of 4096 at most
+    (1, 8193, 64, SAFE, (2, 4112)),  # the last part 4081 tokens
     (2, 32768, 8, SAFE, (1, 32768)),  # two sequences: never cut
     (1, 32768, 16, dict(safe_gate=True, graph=True), (1, 32768))])  # use_graph: never cut
 def test_short_parts_choice(B, T, H, kw, parts):
     """A short-path call on one sequence whose scan has at most 2 programs per SM is cut along its
-    tokens into parts of at least 4096 (at most 8, each a whole number of chunks but the last), each
-    part's stage 1 beside the scan of the one before; explain says so."""
+    tokens into T // 4096 parts (at most 8) of whole chunks, the last the rest, each part's stage 1
+    beside the scan of the one before; explain says so."""
     opts = opts_for(B, T, H, H, dtype=torch.bfloat16, **kw)
     p = plan_for(opts, short_min_pairs=16)
     assert (p.short.parts, p.short.part_tokens) == parts
@@ -123,10 +124,11 @@ def test_short_parts_choice(B, T, H, kw, parts):
     assert plan_for(opts, short_min_pairs=16, short_part_tokens=None).short.parts == 1
 
 
-@pytest.mark.parametrize("field,value", [("short_part_tokens", 0), ("short_part_tokens", -5), ("short_parts", 0)])
+@pytest.mark.parametrize("field,value", [("short_part_tokens", 0), ("short_part_tokens", -5), ("short_parts", 0),
+                                         ("short_parts_fill", 0)])
 def test_short_parts_refuses(field, value):
-    """Tuning.short_part_tokens below 1 (None: never cut) and Tuning.short_parts below 1 are refused
-    with a ValueError naming the field and the value."""
+    """Tuning.short_part_tokens below 1 (None: never cut), Tuning.short_parts and short_parts_fill
+    below 1 are refused with a ValueError naming the field and the value."""
     opts = opts_for(1, 32768, 16, 16, dtype=torch.bfloat16, **SAFE)
     with pytest.raises(ValueError, match=f"{field} must be .*, got {value}"):
         plan_for(opts, short_min_pairs=16, **{field: value})

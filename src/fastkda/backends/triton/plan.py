@@ -93,8 +93,8 @@ class Tuning:
     short_scan_warps_narrow: int = 2  # 16-token steps below 64 columns (else scan_warps)
     short_scan_stages: int = 3
     # one long sequence whose scan has at most short_parts_fill programs per SM: cut along its tokens
-    # into at most short_parts parts of at least short_part_tokens, each part's stage 1 running beside
-    # the scan of the part before (two streams; None: never)
+    # into T // short_part_tokens parts (at most short_parts; the last the rest), each part's stage 1
+    # running beside the scan of the part before (two streams; None: never)
     short_part_tokens: int | None = 4096
     short_parts: int = 8
     short_parts_fill: int = 2
@@ -326,8 +326,8 @@ class ShortPlan:
     BV: int
     chunk: int  # 16 or 32: the scan's step
     launch: Launch
-    parts: int = 1  # the sequence cut along its tokens (short_parts): stage 1 of one part beside the scan of the last
-    part_tokens: int = 0  # tokens per part (a multiple of chunk; the last part may be shorter)
+    parts: int = 1  # the sequence cut along its tokens (short_parts): each part's stage 1 beside the scan of the one before
+    part_tokens: int = 0  # tokens per part, a multiple of chunk, the last part the rest (parts = 1: T)
 
 
 @dataclass(frozen=True)
@@ -509,14 +509,17 @@ def short_scan_bv(opts: KDAOptions, sms: int, tuning: Tuning) -> int:
 def short_parts(opts: KDAOptions, chunk: int, programs: int, sms: int, tuning: Tuning) -> tuple[int, int]:
     """(parts, tokens per part) of a short-path call: one sequence (B = 1, not use_graph) whose scan
     runs at most Tuning.short_parts_fill ``programs`` per SM (the SMs mostly idle through its chain)
-    is cut along its tokens into parts of at least Tuning.short_part_tokens, at most
-    Tuning.short_parts of them, each a multiple of ``chunk`` tokens but the last, so that the stage 1
-    of each part runs beside the scan of the part before (forward.short_forward). (1, T): not cut."""
+    is cut along its tokens into T // Tuning.short_part_tokens parts, at most Tuning.short_parts,
+    of T / parts tokens rounded up to whole chunks (the last part the rest, which may be shorter
+    than short_part_tokens), so that the stage 1 of each part runs beside the scan of the part
+    before (forward.short_forward). (1, T): not cut."""
     s = opts.shape
     if tuning.short_part_tokens is not None and tuning.short_part_tokens < 1:
         raise ValueError(f"Tuning.short_part_tokens must be None or positive, got {tuning.short_part_tokens!r}")
     if tuning.short_parts < 1:
         raise ValueError(f"Tuning.short_parts must be positive, got {tuning.short_parts!r}")
+    if tuning.short_parts_fill < 1:
+        raise ValueError(f"Tuning.short_parts_fill must be positive, got {tuning.short_parts_fill!r}")
     if (tuning.short_part_tokens is None or s.B != 1 or s.N != 1 or opts.graph
             or programs > tuning.short_parts_fill * sms):
         return 1, s.T
