@@ -5,7 +5,7 @@ import torch
 from conftest import BACKENDS
 from helpers import check, tol_for
 
-from fastkda import chunk_kda, use_backend
+from fastkda import chunk_kda, explain, use_backend
 from fastkda.testing import Case, make_inputs, reference
 
 pytestmark = pytest.mark.gpu
@@ -50,7 +50,6 @@ def test_short_parts_streams(how, rng, tune):
     """A call cut into parts (its scans on a stream of their own) issued from a caller's stream right
     after that stream wrote the inputs, or captured in a CUDA graph and replayed on new inputs: the
     outputs of one uncut call on the same inputs, bit for bit."""
-    from fastkda import explain
     from fastkda.backends.triton.plan import tuned
 
     case = Case(T=3 * 4096 + 129, H=4, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="safe", l2norm=True,

@@ -217,45 +217,34 @@ def _short_forward_parts(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, o_dtyp
     from the final state of the part before (float32, exact), so that the next part's stage 1 runs
     beside it; the outputs are those of one scan over the whole sequence, bit for bit. Every tensor
     is allocated on the caller's stream (of the inputs' device), which waits for the scans before
-    it returns."""
+    it returns, also when a part fails. Without CUDA: one stream, no waits."""
     s, sp = opts.shape, plan.short
-    dev = x.q.device
+    L, dev = sp.part_tokens, x.q.device
     o = new_empty(1, s.T, s.HV, s.V, dtype=o_dtype or x.v.dtype, device=dev)
     states = [new_empty(1, s.HV, *opts.state_shape, dtype=torch.float32, device=dev)
               for _ in range(sp.parts if opts.output_final_state else sp.parts - 1)]
     kept = []  # every part's stage 1, alive until the caller's stream has waited for the scans
-    if dev.type != "cuda":
-        _parts(opts, plan, x, o, states, kept, None, None)
-    else:
-        with torch.cuda.device(dev):
+    with contextlib.ExitStack() as streams:
+        side = None
+        if dev.type == "cuda":
+            streams.enter_context(torch.cuda.device(dev))
             main, side = torch.cuda.current_stream(), _scan_stream(dev)
-            try:
-                _parts(opts, plan, x, o, states, kept, main, side)
-            finally:  # also when a part fails: nothing of this call is freed while a scan may still run
-                main.wait_stream(side)
+            streams.callback(main.wait_stream, side)  # on leaving, failure too: nothing freed under a queued scan
+        h0 = x.initial_state
+        for i in range(sp.parts):
+            t0, t1 = i * L, min((i + 1) * L, s.T)
+            last = i == sp.parts - 1
+            opts_p = dataclasses.replace(opts, shape=KDAShape(1, t1 - t0, s.H, s.HV, s.K, s.V, 1),
+                                         output_final_state=not last or opts.output_final_state)
+            x_p = KDAInputs(*(t[:, t0:t1] for t in (x.q, x.k, x.v, x.g, x.beta)), x.A_log, x.dt_bias, h0)
+            p = short_stage1(opts_p, plan, x_p, (None, None, cdiv(t1 - t0, sp.chunk)))
+            kept.append(p)
+            ht = states[i] if i < len(states) else None
+            with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
+                if side is not None:
+                    side.wait_stream(main)
+                fwd_scan(opts_p, plan, plan.forward, p.w, p.u, p.xs, p.qg, p.kd, p.Aqk, p.gl, None, None, p.NT_total,
+                         x_p, o_out=o[:, t0:t1], ht_out=ht)
+            h0 = ht
     del kept
     return o, states[-1] if opts.output_final_state else None
-
-
-def _parts(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, o, states: list, kept: list, main, side) -> None:
-    """The parts' launches (``_short_forward_parts``): stage 1 on the current stream (its tensors
-    appended to ``kept``), each scan on ``side`` after ``side`` has waited for ``main`` (None, None:
-    one stream, no waits)."""
-    s, sp = opts.shape, plan.short
-    L = sp.part_tokens
-    h0 = x.initial_state
-    for i in range(sp.parts):
-        t0, t1 = i * L, min((i + 1) * L, s.T)
-        last = i == sp.parts - 1
-        opts_p = dataclasses.replace(opts, shape=KDAShape(1, t1 - t0, s.H, s.HV, s.K, s.V, 1),
-                                     output_final_state=not last or opts.output_final_state)
-        x_p = KDAInputs(*(t[:, t0:t1] for t in (x.q, x.k, x.v, x.g, x.beta)), x.A_log, x.dt_bias, h0)
-        p = short_stage1(opts_p, plan, x_p, (None, None, cdiv(t1 - t0, sp.chunk)))
-        kept.append(p)
-        ht = states[i] if i < len(states) else None
-        if side is not None:
-            side.wait_stream(main)
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            fwd_scan(opts_p, plan, plan.forward, p.w, p.u, p.xs, p.qg, p.kd, p.Aqk, p.gl, None, None, p.NT_total, x_p,
-                     o_out=o[:, t0:t1], ht_out=ht)
-        h0 = ht
