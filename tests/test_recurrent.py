@@ -336,6 +336,43 @@ def test_cuda_graph_decode(backend, pool_dtype, rng, check_path):
     assert torch.equal(graph_pool, snap) and not o_bad.any()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("N", [4, 40], ids=["one-launch", "check-kernel"])
+def test_decode_launches_follow_alignment(N, rng):
+    """A decode layout's launches after its first skip Triton's argument binding: a call of the same
+    layout whose q, v, or index row lie off 16 bytes gets its own compilation (a kernel specialised
+    on aligned pointers would fault or misread), and an aligned call after it the aligned one."""
+    H, K, slots = 2, 128, 2 * N
+    case = Case(B=N, T=1, H=H, K=K, V=K, dtype=torch.bfloat16, gate="softplus", l2norm=True, beta_sigmoid=True,
+                initial_state=False, final_state=False)
+    x = make_inputs(case, device=DEVICE, generator=rng)
+    x.pop("safe_gate", None)
+    idx = torch.randperm(slots, generator=rng)[:N].to(DEVICE, torch.int32)
+    pool0 = torch.randn(slots, H, K, K, device=DEVICE)
+
+    def off(t):  # the same values and strides, one element past an aligned start
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
+        return buf.view(t.shape).copy_(t)
+
+    calls = [x, {**x, "q": off(x["q"])}, {**x, "v": off(x["v"])}, x]
+    rows = [idx, off(idx), idx, idx]
+    outs, pools = [], []
+    with use_backend("triton"):
+        for xi, row in zip(calls, rows):
+            assert (xi["q"].data_ptr() % 16 == 0) == (xi is not calls[1])
+            pool = pool0.clone()
+            o, _ = fused_recurrent_kda(**xi, initial_state=pool, ssm_state_indices=row, inplace_final_state=True)
+            outs.append(o)
+            pools.append(pool)
+    torch.cuda.synchronize()
+    o_ref, s_ref = reference({**x, "initial_state": pool0[idx.long()], "output_final_state": True})
+    for o, pool in zip(outs, pools):
+        check("o", o, o_ref, tol_for(case.dtype, "triton"))
+        check("final_state", pool[idx.long()], s_ref, tol_for(case.dtype, "triton"))
+    assert torch.equal(outs[3], outs[0]) and torch.equal(pools[3], pools[0])
+
+
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
 def test_index_check_names_first_bad_sequence(rng, tune, check_path):
     """The index check (the check kernel walking the sequences in steps of 4, or the decode

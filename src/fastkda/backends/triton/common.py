@@ -1,6 +1,7 @@
 """Shared pieces of the Triton backend: gate activation and its backward, where a program's chunk
 or sequence lies (varlen aware), the chunk tables, and ``launch``, through which every kernel of the
-chunk path starts (``recorded_launches`` lists them: which kernels ran, with which arguments).
+chunk path starts (``recorded_launches`` lists them: which kernels ran, with which arguments), with
+``CompiledLaunch`` for the decode kernels' repeated launches.
 Everything jitted here runs in the Triton interpreter too (plain ``tl`` ops only)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import platform
 from ...alloc import new_empty
 from ...options import GateMode, graph_chunk_slots
 from ...seqlens import seqlens_derived
@@ -81,6 +83,31 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         if not record[2]:
             return
     kernel[grid](*args, **kwargs)
+
+
+class CompiledLaunch:
+    """Launches of one kernel whose arguments after its tensors and launch options are fixed (a
+    decode layout's), straight through the compiled kernel: the first launch of each signature
+    (device, and each tensor's dtype and 16-byte alignment, which are what Triton specialises a
+    tensor on) goes through ``launch``, which compiles; later ones skip Triton's binding of the
+    arguments (most of its host time for a kernel of many arguments). Under the interpreter and
+    inside ``recorded_launches`` every launch goes through ``launch``."""
+
+    def __init__(self, kernel, args: tuple, options: dict):
+        self.kernel, self.args, self.options = kernel, args, options
+        self._compiled: dict = {}
+
+    def __call__(self, grid: tuple, *tensors) -> None:
+        if _RECORD.get() is not None or platform.triton_interpret():
+            launch(self.kernel, grid, *tensors, *self.args, **self.options)
+            return
+        key = (torch.cuda.current_device(), grid,
+               tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0) for t in tensors))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            self._compiled[key] = self.kernel[grid](*tensors, *self.args, **self.options)
+        else:  # (the compiled kernel's launcher takes three grid dimensions)
+            compiled[tuple(grid) + (1,) * (3 - len(grid))](*tensors, *self.args)
 
 
 @triton.jit

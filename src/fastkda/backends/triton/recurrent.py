@@ -42,7 +42,7 @@ except ImportError:  # a Triton without it: the kernels never reach these calls 
 
 from ... import platform
 from ...alloc import new_empty
-from .common import activate_gate, contiguous_inputs, gate_launch, launch, seq_grid
+from .common import CompiledLaunch, activate_gate, contiguous_inputs, gate_launch, seq_grid
 from .plan import DecodeChoice, DecodePlan, current_tuning, decode_plan, device_facts, pow2
 
 # error codes: 0 ok; otherwise kind + ERR_BASE * (sequence index)
@@ -431,12 +431,10 @@ class DecodeCall(NamedTuple):
     cols: int  # slots per sequence of the index rows
     num_slots: int
     n_tiles: int  # 0: no (sequence, value head) pair, no decode launch
-    # each kernel's arguments after its tensors, in order, and its launch options (read only:
-    # shared by every call of the layout; positional arguments bind fastest)
-    check_args: tuple
-    check_options: dict
-    decode_args: tuple
-    decode_options: dict
+    # each kernel's launches, its arguments after its tensors and its launch options fixed
+    # (shared by every call of the layout)
+    run_check: CompiledLaunch
+    run_decode: CompiledLaunch | None
 
 
 def _split_arguments(kernel, kwargs: dict) -> tuple[tuple, dict]:
@@ -468,9 +466,9 @@ def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen:
     scalars = dict(N=N, T=T, num_slots=num_slots, stride_idx=stride_idx, COLS=cols)
     check_kwargs = dict(**scalars, BC=bc, BN=plan.check_rows, SPEC=opts.spec_decode, IS_VARLEN=varlen, KEEP=not raises,
                         UNIQUE=opts.inplace_final_state, PDL=c.dependent, **plan.check_launch.kwargs())
-    check_args, check_options = _split_arguments(kda_check_indices_kernel, check_kwargs)
+    check = CompiledLaunch(kda_check_indices_kernel, *_split_arguments(kda_check_indices_kernel, check_kwargs))
     if n_tiles == 0:
-        return DecodeCall(plan, c, cols, num_slots, 0, check_args, check_options, (), {})
+        return DecodeCall(plan, c, cols, num_slots, 0, check, None)
     strides, h_tile = _state_strides(h0_shape, h0_stride, opts.state_v_first)
     decode_kwargs = dict(
         scale=opts.scale, **scalars, **strides, H=H, HV=HV, K=K, V=V, BK=plan.BK, BV=plan.BV,
@@ -481,8 +479,8 @@ def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen:
         CHECK=c.check, BC=bc, BN=c.check_rows, KEEP=not raises, PDL=c.dependent, ONE_TOKEN=one_token,
         ONE_TILE=c.one_tile, n_tiles=n_tiles, NPROG=c.grid[0], STAGES=c.stages, launch_pdl=c.dependent,
         **plan.launch.kwargs())
-    return DecodeCall(plan, c, cols, num_slots, n_tiles, check_args, check_options,
-                      *_split_arguments(kda_recurrent_kernel, decode_kwargs))
+    return DecodeCall(plan, c, cols, num_slots, n_tiles, check,
+                      CompiledLaunch(kda_recurrent_kernel, *_split_arguments(kda_recurrent_kernel, decode_kwargs)))
 
 
 def decode_call_of(opts, x, raises: bool, dev: torch.device) -> DecodeCall:
@@ -513,11 +511,10 @@ def recurrent_forward(opts, x):
         scratch = torch.empty(1, dtype=torch.int32, device=dev) if raises and c.n_tiles > 0 else None
     elif check == 1:  # this call's error code, then (in place) the owner of every slot
         scratch = torch.empty(1 + (c.num_slots if opts.inplace_final_state else 0), dtype=torch.int32, device=dev)
-        launch(kda_check_indices_kernel, (1,), idx, acc, cu, scratch, sticky if not raises else scratch,
-               *c.check_args, **c.check_options)
+        c.run_check((1,), idx, acc, cu, scratch, sticky if not raises else scratch)
     if c.n_tiles > 0:
-        launch(kda_recurrent_kernel, c.choice.grid, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, o, h0, ht, cu, idx,
-               acc, scratch, sticky, *c.decode_args, **c.decode_options)
+        c.run_decode(c.choice.grid, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, o, h0, ht, cu, idx, acc, scratch,
+                 sticky)
     if raises and scratch is not None:
         code = int(scratch[0].item())
         if code:
