@@ -374,7 +374,8 @@ def test_short_parts(axis, chunk, rng, tune, launch_log):
     """One sequence cut into parts along its tokens (each part's stage 1 beside the scan of the part
     before, on two streams on a GPU): o and the final state bit for bit those of one scan over the
     whole sequence, and within the reference's tolerance; the launches alternate stage 1 and scan,
-    each part's scan from the state that the one before left."""
+    each part's scan from the state that the one before left, each part's stage 1 into its rows of
+    tensors made once for the whole sequence."""
     case, part = PARTS[axis]
     if GPU:  # real shapes: parts of 4096 tokens, the last one shorter
         case, part = case.replace(T=3 * 4096 + 129, K=128, V=128, H=4, HV=4, seqlens=None), 4096
@@ -397,6 +398,10 @@ def test_short_parts(axis, chunk, rng, tune, launch_log):
         assert s1_launch.args["T"] == scan.args["T"] == min(tokens, T - i * tokens)
         if i > 0:
             assert scan.args["h0"] is parts[2 * i - 1].args["ht"]
+        # stage 1's outputs: one tensor for the whole sequence, each part writing its own tokens' rows
+        w, w0 = s1_launch.args["w"], parts[0].args["w"]
+        assert w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
+        assert w.data_ptr() - w0.data_ptr() == i * tokens * w.stride(1) * w.element_size()
     assert torch.equal(o, o1)
     assert (s is None) is (s1 is None) is (not case.final_state)
     if s is not None:

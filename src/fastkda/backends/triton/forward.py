@@ -27,7 +27,7 @@ from .common import chunk_grid, chunk_tables, chunk_tables_static, gate_launch, 
 from .intra import kda_fwd_intra_chunk_kernel, kda_fwd_intra_kernel
 from .plan import ChunkPlan, ScanPlan, Stage1Plan, cdiv
 from .scan import fwd_scan
-from .short import short_stage1
+from .short import short_stage1, short_stage1_outputs
 from .wy import kda_fwd_inverse_kernel, kda_fwd_wu_kernel
 
 
@@ -223,7 +223,9 @@ def _short_forward_parts(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, o_dtyp
     o = new_empty(1, s.T, s.HV, s.V, dtype=o_dtype or x.v.dtype, device=dev)
     states = [new_empty(1, s.HV, *opts.state_shape, dtype=torch.float32, device=dev)
               for _ in range(sp.parts if opts.output_final_state else sp.parts - 1)]
-    kept = []  # every part's stage 1, alive until the caller's stream has waited for the scans
+    # stage 1's outputs for the whole sequence, each part writing its tokens' and chunks' rows (alive
+    # until the caller's stream has waited for the scans)
+    w, u, xs, qg, kd, Aqk, gl = short_stage1_outputs(opts, plan, cdiv(s.T, sp.chunk), x.q.dtype, dev)
     with contextlib.ExitStack() as streams:
         side = None
         if dev.type == "cuda":
@@ -237,8 +239,10 @@ def _short_forward_parts(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, o_dtyp
             opts_p = dataclasses.replace(opts, shape=KDAShape(1, t1 - t0, s.H, s.HV, s.K, s.V, 1),
                                          output_final_state=not last or opts.output_final_state)
             x_p = KDAInputs(*(t[:, t0:t1] for t in (x.q, x.k, x.v, x.g, x.beta)), x.A_log, x.dt_bias, h0)
-            p = short_stage1(opts_p, plan, x_p, (None, None, cdiv(t1 - t0, sp.chunk)))
-            kept.append(p)
+            c0, c1 = t0 // sp.chunk, cdiv(t1, sp.chunk)  # (parts of whole chunks)
+            tok = [None if t is None else t[:, t0:t1] for t in (w, u, qg, kd, Aqk)]  # [1, T, ...]
+            xs_p, gl_p = (None if t is None else t[c0:c1] for t in (xs, gl))  # [NT, ...]
+            p = short_stage1(opts_p, plan, x_p, (None, None, c1 - c0), (*tok[:2], xs_p, *tok[2:], gl_p))
             ht = states[i] if i < len(states) else None
             with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
                 if side is not None:
@@ -246,5 +250,4 @@ def _short_forward_parts(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, o_dtyp
                 fwd_scan(opts_p, plan, plan.forward, p.w, p.u, p.xs, p.qg, p.kd, p.Aqk, p.gl, None, None, p.NT_total,
                          x_p, o_out=o[:, t0:t1], ht_out=ht)
             h0 = ht
-    del kept
     return o, states[-1] if opts.output_final_state else None

@@ -246,19 +246,29 @@ class ShortStage1(NamedTuple):
     NT_total: int
 
 
+def short_stage1_outputs(opts: KDAOptions, plan: ChunkPlan, NT: int, dtype: torch.dtype, device) -> tuple:
+    """New tensors for stage 1's outputs (w, u, xs, qg, kd, Aqk, gl) of a call of ``NT`` chunks;
+    u None where the scan forms it, xs None where it does not."""
+    s, sp = opts.shape, plan.short
+    B, T, HV, K, V, C = s.B, s.T, s.HV, s.K, s.V, sp.chunk
+    w, qg, kd = (new_empty(B, T, HV, K, dtype=dtype, device=device) for _ in range(3))
+    u = None if sp.form_u else new_empty(B, T, HV, V, dtype=dtype, device=device)
+    xs = new_empty(NT, HV, C, C, dtype=torch.float32, device=device) if sp.form_u else None
+    Aqk = new_empty(B, T, HV, C, dtype=dtype, device=device)
+    gl = new_empty(NT, HV, K, dtype=torch.float32, device=device)
+    return w, u, xs, qg, kd, Aqk, gl
+
+
 def short_stage1(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs,
-                 tables: tuple[torch.Tensor | None, torch.Tensor | None, int]) -> ShortStage1:
-    """Stage 1 of the short path; ``tables``: (chunk_indices, chunk_offsets, chunks) of its chunks."""
+                 tables: tuple[torch.Tensor | None, torch.Tensor | None, int], outputs: tuple | None = None
+                 ) -> ShortStage1:
+    """Stage 1 of the short path; ``tables``: (chunk_indices, chunk_offsets, chunks) of its chunks;
+    ``outputs``: contiguous tensors to write, as short_stage1_outputs makes them (default: new)."""
     s, sp = opts.shape, plan.short
     C = sp.chunk
     B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
-    dev, dt = x.q.device, x.q.dtype
     chunk_indices, chunk_offsets, NT = tables
-    w, qg, kd = (new_empty(B, T, HV, K, dtype=dt, device=dev) for _ in range(3))
-    u = None if sp.form_u else new_empty(B, T, HV, V, dtype=dt, device=dev)
-    xs = new_empty(NT, HV, C, C, dtype=torch.float32, device=dev) if sp.form_u else None
-    Aqk = new_empty(B, T, HV, C, dtype=dt, device=dev)
-    gl = new_empty(NT, HV, K, dtype=torch.float32, device=dev)
+    w, u, xs, qg, kd, Aqk, gl = outputs or short_stage1_outputs(opts, plan, NT, x.q.dtype, x.q.device)
     if NT > 0:
         launch(kda_fwd_short_kernel, chunk_grid(NT, HV, sp.heads_first),
                x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, w, u, xs, qg, kd, Aqk, gl, x.cu_seqlens, chunk_indices,
