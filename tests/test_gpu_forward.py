@@ -48,8 +48,9 @@ def test_real_shapes(backend, path, name, rng, tune):
 @pytest.mark.parametrize("how", ["caller_stream", "graph"])
 def test_short_parts_streams(how, rng, tune):
     """A call cut into parts (its scans on a stream of their own) issued from a caller's stream right
-    after that stream wrote the inputs, or captured in a CUDA graph and replayed on new inputs: the
-    outputs of one uncut call on the same inputs, bit for bit."""
+    after that stream wrote the inputs (late, behind a sleep) and read on that stream at once, or
+    captured in a CUDA graph and replayed on new inputs: the outputs of one uncut call on the same
+    inputs, bit for bit."""
     from fastkda.backends.triton.plan import tuned
 
     case = Case(T=3 * 4096 + 129, H=4, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="safe", l2norm=True,
@@ -64,9 +65,11 @@ def test_short_parts_streams(how, rng, tune):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             if how == "caller_stream":
+                torch.cuda._sleep(1 << 26)  # the inputs' writes come late: a scan that does not wait reads old ones
                 for n in names:  # written on the caller's stream just before the call
                     x[n].copy_(fresh[n])
                 o, s = chunk_kda(**x)
+                o, s = o.clone(), s.clone()  # read on the caller's stream at once: the call must have joined the scans
             else:
                 chunk_kda(**x)  # compiled and warmed on a side stream, as graph capture asks
         torch.cuda.current_stream().wait_stream(side)
@@ -77,6 +80,7 @@ def test_short_parts_streams(how, rng, tune):
             for n in names:
                 x[n].copy_(fresh[n])
             o.fill_(float("nan"))
+            s.fill_(float("nan"))
             graph.replay()
         torch.cuda.synchronize()
         with tuned(short_part_tokens=None):

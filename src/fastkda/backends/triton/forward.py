@@ -220,6 +220,8 @@ def _short_forward_parts(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, o_dtyp
     it returns, also when a part fails. Without CUDA: one stream, no waits."""
     s, sp = opts.shape, plan.short
     L, dev = sp.part_tokens, x.q.device
+    if s.B != 1 or L % sp.chunk:  # (plan.short_parts): a part's token rows are then a dense view
+        raise RuntimeError(f"parts need one sequence and whole chunks, got B={s.B}, part of {L} tokens")
     o = new_empty(1, s.T, s.HV, s.V, dtype=o_dtype or x.v.dtype, device=dev)
     states = [new_empty(1, s.HV, *opts.state_shape, dtype=torch.float32, device=dev)
               for _ in range(sp.parts if opts.output_final_state else sp.parts - 1)]
