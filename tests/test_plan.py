@@ -4,6 +4,7 @@ only: meta tensors), tuning overrides, and ``fastkda.explain`` printing a call's
 import dataclasses
 import re
 import threading
+import types
 
 import pytest
 import torch
@@ -132,6 +133,21 @@ def test_short_parts_refuses(field, value):
     opts = opts_for(1, 32768, 16, 16, dtype=torch.bfloat16, **SAFE)
     with pytest.raises(ValueError, match=f"{field} must be .*, got {value}"):
         plan_for(opts, short_min_pairs=16, **{field: value})
+
+
+@pytest.mark.parametrize("B,part", [(2, 4096), (1, 4100)])
+def test_short_parts_refuse_what_they_cannot_view(B, part):
+    """The parts' forward, handed a plan with parts for two sequences or parts of a part chunk (no plan
+    makes these), raises RuntimeError before it allocates or launches anything."""
+    from fastkda.backends.triton.forward import _short_forward_parts
+
+    opts = opts_for(1, 32768, 16, dtype=torch.bfloat16, **SAFE)
+    plan = plan_for(opts, short_min_pairs=16)
+    assert plan.short.parts > 1
+    plan = dataclasses.replace(plan, short=dataclasses.replace(plan.short, part_tokens=part))
+    opts = dataclasses.replace(opts, shape=dataclasses.replace(opts.shape, B=B))
+    with pytest.raises(RuntimeError, match=f"got B={B}, part of {part} tokens"):
+        _short_forward_parts(opts, plan, types.SimpleNamespace(q=torch.empty(0, device="meta")), None)
 
 
 @pytest.mark.parametrize("B,T,H,dtype,kw,train,pairs,segments", [
