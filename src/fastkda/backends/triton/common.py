@@ -93,8 +93,14 @@ class CompiledLaunch:
     arguments (most of its host time for a kernel of many arguments). Under the interpreter and
     inside ``recorded_launches`` every launch goes through ``launch``."""
 
-    def __init__(self, kernel, args: tuple, options: dict):
-        self.kernel, self.args, self.options = kernel, args, options
+    def __init__(self, kernel, kwargs: dict):
+        """``kwargs``: the kernel's arguments from its first one named there on (those before it, its
+        tensors, are passed per launch) and its launch options."""
+        names = kernel.arg_names
+        names = names[next(i for i, n in enumerate(names) if n in kwargs):]
+        self.kernel = kernel
+        self.args = tuple(kwargs[n] for n in names)  # positional: they bind fastest
+        self.options = {n: v for n, v in kwargs.items() if n not in names}
         self._compiled: dict = {}
 
     def __call__(self, grid: tuple, *tensors) -> None:

@@ -437,14 +437,6 @@ class DecodeCall(NamedTuple):
     run_decode: CompiledLaunch | None
 
 
-def _split_arguments(kernel, kwargs: dict) -> tuple[tuple, dict]:
-    """``kwargs`` as the kernel's arguments from its first one in ``kwargs`` on, in order (those
-    before it, its tensors, are passed per call), and the launch options (the rest)."""
-    names = kernel.arg_names
-    names = names[next(i for i, n in enumerate(names) if n in kwargs):]
-    return tuple(kwargs[n] for n in names), {n: v for n, v in kwargs.items() if n not in names}
-
-
 @functools.lru_cache(maxsize=256)
 def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen: bool, has_a: bool, has_bias: bool,
                 raises: bool, dev: torch.device, dependent_launch: bool, tuning) -> DecodeCall:
@@ -466,7 +458,7 @@ def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen:
     scalars = dict(N=N, T=T, num_slots=num_slots, stride_idx=stride_idx, COLS=cols)
     check_kwargs = dict(**scalars, BC=bc, BN=plan.check_rows, SPEC=opts.spec_decode, IS_VARLEN=varlen, KEEP=not raises,
                         UNIQUE=opts.inplace_final_state, PDL=c.dependent, **plan.check_launch.kwargs())
-    check = CompiledLaunch(kda_check_indices_kernel, *_split_arguments(kda_check_indices_kernel, check_kwargs))
+    check = CompiledLaunch(kda_check_indices_kernel, check_kwargs)
     if n_tiles == 0:
         return DecodeCall(plan, c, cols, num_slots, 0, check, None)
     strides, h_tile = _state_strides(h0_shape, h0_stride, opts.state_v_first)
@@ -479,8 +471,7 @@ def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen:
         CHECK=c.check, BC=bc, BN=c.check_rows, KEEP=not raises, PDL=c.dependent, ONE_TOKEN=one_token,
         ONE_TILE=c.one_tile, n_tiles=n_tiles, NPROG=c.grid[0], STAGES=c.stages, launch_pdl=c.dependent,
         **plan.launch.kwargs())
-    return DecodeCall(plan, c, cols, num_slots, n_tiles, check,
-                      CompiledLaunch(kda_recurrent_kernel, *_split_arguments(kda_recurrent_kernel, decode_kwargs)))
+    return DecodeCall(plan, c, cols, num_slots, n_tiles, check, CompiledLaunch(kda_recurrent_kernel, decode_kwargs))
 
 
 def decode_call_of(opts, x, raises: bool, dev: torch.device) -> DecodeCall:
