@@ -242,9 +242,10 @@ def _short_forward_parts(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, o_dtyp
                                          output_final_state=not last or opts.output_final_state)
             x_p = KDAInputs(*(t[:, t0:t1] for t in (x.q, x.k, x.v, x.g, x.beta)), x.A_log, x.dt_bias, h0)
             c0, c1 = t0 // sp.chunk, cdiv(t1, sp.chunk)  # (parts of whole chunks)
-            tok = [None if t is None else t[:, t0:t1] for t in (w, u, qg, kd, Aqk)]  # [1, T, ...]
-            xs_p, gl_p = (None if t is None else t[c0:c1] for t in (xs, gl))  # [NT, ...]
-            p = short_stage1(opts_p, plan, x_p, (None, None, c1 - c0), (*tok[:2], xs_p, *tok[2:], gl_p))
+            tok, chk = slice(t0, t1), slice(c0, c1)  # rows of the [1, T, ...] and [NT, ...] outputs
+            rows = (w[:, tok], None if u is None else u[:, tok], None if xs is None else xs[chk], qg[:, tok],
+                    kd[:, tok], Aqk[:, tok], gl[chk])
+            p = short_stage1(opts_p, plan, x_p, (None, None, c1 - c0), rows)
             ht = states[i] if i < len(states) else None
             with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
                 if side is not None:
