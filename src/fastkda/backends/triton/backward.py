@@ -62,7 +62,7 @@ def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, work: list,
                x.k, x.beta, p.w, p.gc, p.ls, p.xs, p.rs, s_dw, s_dL, s_db, dbeta,
                H=H, K=K, BK=BK, BS=b.BS, WHOLE=b.whole, **beta_kw, **where, PREC=plan.dot.prec, **b.k.kwargs())
         p = p._replace(w=None)
-        gate = gate_launch(opts, x.A_log, x.dt_bias)
+        gate = gate_launch(opts, x.A_log is not None, x.dt_bias is not None)
         dg = alloc(B, T, HV, K, dtype=x.g.dtype, device=dev)  # after phase A, the step's peak
         if b.whole:
             NSB = cdiv(K, b.gate_block_bs)

@@ -87,9 +87,9 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
 
 class CompiledLaunch:
     """Launches of one kernel whose arguments after its tensors and launch options are fixed (a
-    decode layout's), straight through the compiled kernel: the first launch of each signature
-    (device, and each tensor's dtype and 16-byte alignment, which are what Triton specialises a
-    tensor on) goes through ``launch``, which compiles; later ones skip Triton's binding of the
+    call's sizes and options), straight through the compiled kernel: the first launch of each signature
+    (device, Triton's debug switch, and each tensor's dtype and 16-byte alignment, which are what
+    Triton specialises a tensor on) goes through ``launch``, which compiles; later ones skip Triton's binding of the
     arguments (most of its host time for a kernel of many arguments). Under the interpreter and
     inside ``recorded_launches`` every launch goes through ``launch``."""
 
@@ -107,7 +107,7 @@ class CompiledLaunch:
         if _RECORD.get() is not None or platform.triton_interpret():
             launch(self.kernel, grid, *tensors, *self.args, **self.options)
             return
-        key = (torch.cuda.current_device(), grid,
+        key = (torch.cuda.current_device(), triton.knobs.runtime.debug, grid,
                tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0) for t in tensors))
         compiled = self._compiled.get(key)
         if compiled is None:
@@ -298,10 +298,11 @@ def gate_code(gate) -> int:
     return _GATE_CODES[gate]
 
 
-def gate_launch(opts, A_log, dt_bias) -> dict:
-    """The gate arguments of the chunk kernels (lower_bound, GATE, HAS_A, HAS_BIAS)."""
+def gate_launch(opts, has_a: bool, has_bias: bool) -> dict:
+    """The gate arguments of the chunk kernels (lower_bound, GATE, HAS_A, HAS_BIAS) for a call with
+    A_log and dt_bias given or not."""
     return dict(lower_bound=opts.lower_bound if opts.lower_bound is not None else 0.0, GATE=gate_code(opts.gate),
-                HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None)
+                HAS_A=bool(has_a), HAS_BIAS=bool(has_bias))
 
 
 def chunk_tables(cu_host: torch.Tensor, C: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:

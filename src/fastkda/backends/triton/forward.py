@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import torch
@@ -130,7 +131,7 @@ def stage1_intra(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs) -> Stage1:
     launch(kda_fwd_gates_kernel, chunk_grid(NT * (1 if s1.whole else NC), HV, s1.heads_first),
            x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.ga, p.gd, p.gok, p.gl, p.rs, H=H, K=K, BK=s1.BK, BS=s1.gates_bs,
            L2NORM=opts.qk_l2norm, WHOLE=s1.whole, EXACT_SUMS=s1.exact_sums, SPLIT=s1.split, FAST=s1.softplus_form,
-           **gate_launch(opts, x.A_log, x.dt_bias), **where, **s1.gates.kwargs())
+           **gate_launch(opts, x.A_log is not None, x.dt_bias is not None), **where, **s1.gates.kwargs())
     if s1.whole:
         for ps in s1.passes:
             launch(kda_fwd_intra_chunk_kernel, chunk_grid(NT * 2, HV, s1.heads_first),
@@ -210,6 +211,14 @@ def _scan_stream(dev: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+@functools.lru_cache(maxsize=64)
+def _part_options(opts: KDAOptions, tokens: int, final_state: bool) -> KDAOptions:
+    """The options of a part of ``tokens`` tokens of a one-sequence call (cached: they are validated
+    when made, and every part of every call of a shape asks for the same few)."""
+    s = opts.shape
+    return dataclasses.replace(opts, shape=KDAShape(1, tokens, s.H, s.HV, s.K, s.V, 1), output_final_state=final_state)
+
+
 def _short_forward_parts(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, o_dtype: torch.dtype | None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The short path on one sequence cut into ``plan.short.parts`` along its tokens: each part's
@@ -238,8 +247,7 @@ def _short_forward_parts(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, o_dtyp
         for i in range(sp.parts):
             t0, t1 = i * L, min((i + 1) * L, s.T)
             last = i == sp.parts - 1
-            opts_p = dataclasses.replace(opts, shape=KDAShape(1, t1 - t0, s.H, s.HV, s.K, s.V, 1),
-                                         output_final_state=not last or opts.output_final_state)
+            opts_p = _part_options(opts, t1 - t0, not last or opts.output_final_state)
             x_p = KDAInputs(*(t[:, t0:t1] for t in (x.q, x.k, x.v, x.g, x.beta)), x.A_log, x.dt_bias, h0)
             c0, c1 = t0 // sp.chunk, cdiv(t1, sp.chunk)  # (parts of whole chunks)
             tok, chk = slice(t0, t1), slice(c0, c1)  # rows of the [1, T, ...] and [NT, ...] outputs

@@ -464,7 +464,7 @@ def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen:
     strides, h_tile = _state_strides(h0_shape, h0_stride, opts.state_v_first)
     decode_kwargs = dict(
         scale=opts.scale, **scalars, **strides, H=H, HV=HV, K=K, V=V, BK=plan.BK, BV=plan.BV,
-        **gate_launch(opts, has_a or None, has_bias or None),  # (the parameters' presence only)
+        **gate_launch(opts, has_a, has_bias),
         L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale, USE_H0=h0_layout is not None,
         STORE_HT=opts.output_final_state and not opts.inplace_final_state, POOL=opts.pool, SPEC=opts.spec_decode,
         INPLACE=opts.inplace_final_state, V_FIRST=opts.state_v_first, IS_VARLEN=varlen, H_TILE=h_tile,

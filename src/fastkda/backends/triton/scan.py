@@ -17,13 +17,15 @@ from X, v and beta. States at chunk starts (``h``) and v' are written only when 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ...alloc import new_empty
 from ...options import KDAInputs, KDAOptions
-from .common import launch, out_alloc, seq_grid, seq_program, sequence_location
+from .common import CompiledLaunch, launch, out_alloc, seq_grid, seq_program, sequence_location
 from .output import kda_fwd_output_kernel
 from .plan import ChunkPlan, ScanPlan, cdiv, pow2
 from .tiles import (activate_beta, as_operand, block_lower, chunk_decay, chunk_operands, load_beta_raw, prod,
@@ -128,6 +130,20 @@ def kda_fwd_scan_kernel(
         tl.store(p_ht, b_S, mask=m_h)
 
 
+@functools.lru_cache(maxsize=256)
+def scan_launch(opts: KDAOptions, scan: ScanPlan, dot, given: tuple[bool, ...]) -> CompiledLaunch:
+    """The scan kernel's launches of a call with these options, scan plan and products (``dot``);
+    ``given``: whether the initial state, final state, h, o, v' and cu_seqlens are passed. Cached:
+    the parts of a call and repeated calls share them."""
+    s = opts.shape
+    h0, ht, h, o, vn, varlen = given
+    return CompiledLaunch(kda_fwd_scan_kernel, dict(
+        T=s.T, HV=s.HV, K=s.K, V=s.V, C=scan.chunk, BK=pow2(s.K), BV=scan.BV, USE_H0=h0, STORE_HT=ht, STORE_H=h,
+        STORE_O=o, STORE_VN=vn, V_FIRST=opts.state_v_first, H_V_FIRST=scan.h_state_layout, IS_VARLEN=varlen,
+        DT=dot.dtype, PREC=dot.prec, EMU=dot.emulate, U_IN=scan.form_u, U_PREC=scan.u_prec, SIGMOID=opts.beta_sigmoid,
+        BETA_SCALE=opts.beta_scale, A_FULL=scan.a_full, STATE_T=scan.state_t, **scan.launch.kwargs()))
+
+
 def fwd_scan(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, w, u, xs, qg, kd, Aqk, gl, chunk_indices,
              chunk_offsets, NT_total: int, x: KDAInputs, o_dtype: torch.dtype | None = None, o_out=None, ht_out=None):
     """Launch stage 2 on stage 1's tensors. Returns (o, final_state, h, v'), each None unless asked
@@ -159,15 +175,11 @@ def fwd_scan(opts: KDAOptions, plan: ChunkPlan, scan: ScanPlan, w, u, xs, qg, kd
     o_scan = None if scan.split_output else o
     BK, dot = pow2(K), plan.dot
     if N * HV > 0:
-        launch(kda_fwd_scan_kernel, seq_grid(V, scan.BV, N * HV),
-               w, u, xs if scan.form_u else None, x.v if scan.form_u else None, x.beta if scan.form_u else None, qg,
-               kd, Aqk, gl, x.initial_state, ht, h, o_scan, vn, x.cu_seqlens, chunk_offsets, T,
-               HV=HV, K=K, V=V, C=C, BK=BK, BV=scan.BV, USE_H0=x.initial_state is not None, STORE_HT=ht is not None,
-               STORE_H=h is not None, STORE_O=o_scan is not None, STORE_VN=vn is not None,
-               V_FIRST=opts.state_v_first, H_V_FIRST=scan.h_state_layout,
-               IS_VARLEN=x.cu_seqlens is not None, DT=dot.dtype, PREC=dot.prec, EMU=dot.emulate, U_IN=scan.form_u,
-               U_PREC=scan.u_prec, SIGMOID=opts.beta_sigmoid,
-               BETA_SCALE=opts.beta_scale, A_FULL=scan.a_full, STATE_T=scan.state_t, **scan.launch.kwargs())
+        given = tuple(t is not None for t in (x.initial_state, ht, h, o_scan, vn, x.cu_seqlens))
+        scan_launch(opts, scan, dot, given)(
+            seq_grid(V, scan.BV, N * HV), w, u, xs if scan.form_u else None, x.v if scan.form_u else None,
+            x.beta if scan.form_u else None, qg, kd, Aqk, gl, x.initial_state, ht, h, o_scan, vn, x.cu_seqlens,
+            chunk_offsets)
     if scan.split_output:
         if NT_total > 0:
             NV = cdiv(V, scan.output_bv)

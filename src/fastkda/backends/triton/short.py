@@ -18,6 +18,7 @@ belongs, to exponents of its own sign). bfloat16 inputs take the middle anchor o
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -26,8 +27,8 @@ import triton.language as tl
 
 from ...alloc import new_empty
 from ...options import KDAInputs, KDAOptions
-from .common import activate_gate, chunk_grid, chunk_program, gate_launch, launch
-from .plan import ChunkPlan
+from .common import CompiledLaunch, activate_gate, chunk_grid, chunk_program, gate_launch
+from .plan import ChunkPlan, ShortPlan
 from .tiles import inv_unit_lower, load_beta, load_tile, prod, rnorm, row_of, store_tile
 
 # unbounded gates: the middle anchor while every factor stays within 2^SPAN (float32 overflows at
@@ -264,17 +265,24 @@ def short_stage1(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs,
                  ) -> ShortStage1:
     """Stage 1 of the short path; ``tables``: (chunk_indices, chunk_offsets, chunks) of its chunks;
     ``outputs``: contiguous tensors to write, as short_stage1_outputs makes them (default: new)."""
-    s, sp = opts.shape, plan.short
-    C = sp.chunk
-    B, T, H, HV, K, V = s.B, s.T, s.H, s.HV, s.K, s.V
+    sp = plan.short
     chunk_indices, chunk_offsets, NT = tables
     w, u, xs, qg, kd, Aqk, gl = outputs or short_stage1_outputs(opts, plan, NT, x.q.dtype, x.q.device)
     if NT > 0:
-        launch(kda_fwd_short_kernel, chunk_grid(NT, HV, sp.heads_first),
-               x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, w, u, xs, qg, kd, Aqk, gl, x.cu_seqlens, chunk_indices,
-               opts.scale, **gate_launch(opts, x.A_log, x.dt_bias), T=T, H=H, HV=HV, K=K, V=V, BK=sp.BK, BV=sp.BV, C=C,
-               FAST=sp.softplus_form, L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale,
-               IS_VARLEN=x.cu_seqlens is not None, HEADS_FIRST=sp.heads_first, BOUNDED=sp.bounded,
-               ANCHOR_CLAMP=sp.anchor_clamp or 0.0, PREC=sp.prec,
-               INV_PREC=sp.inv_prec, FORM_U=sp.form_u, **sp.launch.kwargs())
+        run = short_launch(opts, sp, x.A_log is not None, x.dt_bias is not None, x.cu_seqlens is not None)
+        run(chunk_grid(NT, opts.shape.HV, sp.heads_first), x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, w, u, xs, qg, kd, Aqk,
+            gl, x.cu_seqlens, chunk_indices)
     return ShortStage1(w, u, xs, qg, kd, Aqk, gl, chunk_indices, chunk_offsets, NT)
+
+
+@functools.lru_cache(maxsize=256)
+def short_launch(opts: KDAOptions, sp: ShortPlan, has_a: bool, has_bias: bool, varlen: bool) -> CompiledLaunch:
+    """The stage-1 kernel's launches of a call with these options and plan (the gate parameters and
+    cu_seqlens given or not); cached: the parts of a call and repeated calls share them."""
+    s = opts.shape
+    return CompiledLaunch(kda_fwd_short_kernel, dict(
+        scale=opts.scale, **gate_launch(opts, has_a, has_bias), T=s.T, H=s.H, HV=s.HV, K=s.K, V=s.V,
+        BK=sp.BK, BV=sp.BV, C=sp.chunk, FAST=sp.softplus_form, L2NORM=opts.qk_l2norm, SIGMOID=opts.beta_sigmoid,
+        BETA_SCALE=opts.beta_scale, IS_VARLEN=varlen, HEADS_FIRST=sp.heads_first, BOUNDED=sp.bounded,
+        ANCHOR_CLAMP=sp.anchor_clamp or 0.0, PREC=sp.prec, INV_PREC=sp.inv_prec, FORM_U=sp.form_u,
+        **sp.launch.kwargs()))
