@@ -1,7 +1,7 @@
 """Shared pieces of the Triton backend: gate activation and its backward, where a program's chunk
-or sequence lies (varlen aware), the chunk tables, and ``launch``, through which every kernel of the
-chunk path starts (``recorded_launches`` lists them: which kernels ran, with which arguments), with
-``CompiledLaunch`` for the decode kernels' repeated launches.
+or sequence lies (varlen aware), the chunk tables, and ``launch``, through which the kernels start
+(``recorded_launches`` lists them: which kernels ran, with which arguments), with ``CompiledLaunch``
+for the repeated launches of the decode kernels, the short path's stage 1 and the state scan.
 Everything jitted here runs in the Triton interpreter too (plain ``tl`` ops only)."""
 
 from __future__ import annotations
@@ -87,11 +87,12 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
 
 class CompiledLaunch:
     """Launches of one kernel whose arguments after its tensors and launch options are fixed (a
-    call's sizes and options), straight through the compiled kernel: the first launch of each signature
-    (device, Triton's debug switch, and each tensor's dtype and 16-byte alignment, which are what
-    Triton specialises a tensor on) goes through ``launch``, which compiles; later ones skip Triton's binding of the
-    arguments (most of its host time for a kernel of many arguments). Under the interpreter and
-    inside ``recorded_launches`` every launch goes through ``launch``."""
+    call's sizes and options), straight through the compiled kernel: the first launch of each
+    signature (device, Triton's debug switch, and each tensor's dtype and 16-byte alignment, which
+    are what Triton specialises a tensor on; not the grid, which no compiled kernel depends on) goes
+    through Triton's own launch, which compiles; later ones skip Triton's binding of the arguments
+    (most of its host time for a kernel of many arguments). Under the interpreter and inside
+    ``recorded_launches`` every launch goes through ``launch``."""
 
     def __init__(self, kernel, kwargs: dict):
         """``kwargs``: the kernel's arguments from its first one named there on (those before it, its
@@ -107,7 +108,7 @@ class CompiledLaunch:
         if _RECORD.get() is not None or platform.triton_interpret():
             launch(self.kernel, grid, *tensors, *self.args, **self.options)
             return
-        key = (torch.cuda.current_device(), triton.knobs.runtime.debug, grid,
+        key = (torch.cuda.current_device(), triton.knobs.runtime.debug,
                tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0) for t in tensors))
         compiled = self._compiled.get(key)
         if compiled is None:

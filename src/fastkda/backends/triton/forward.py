@@ -213,8 +213,8 @@ def _scan_stream(dev: torch.device) -> torch.cuda.Stream:
 
 @functools.lru_cache(maxsize=64)
 def _part_options(opts: KDAOptions, tokens: int, final_state: bool) -> KDAOptions:
-    """The options of a part of ``tokens`` tokens of a one-sequence call (cached: they are validated
-    when made, and every part of every call of a shape asks for the same few)."""
+    """The options of a part of ``tokens`` tokens of a one-sequence call (cached: every part of every
+    call of a shape asks for the same few, and the launch caches keyed by options then hit at once)."""
     s = opts.shape
     return dataclasses.replace(opts, shape=KDAShape(1, tokens, s.H, s.HV, s.K, s.V, 1), output_final_state=final_state)
 
