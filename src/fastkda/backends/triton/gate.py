@@ -76,7 +76,8 @@ class _GateFunction(torch.autograd.Function):
         y = new_empty(*g.shape, dtype=opts.output_dtype, device=g.device)
         if R:
             launch(kda_gate_fwd_kernel, (cdiv(R, plan.rows), HV),
-                g2, A_log, dt_bias, y, R=R, HV=HV, K=K, BK=plan.BK, BR=plan.rows, **gate_launch(opts, A_log is not None, dt_bias is not None))
+                g2, A_log, dt_bias, y, R=R, HV=HV, K=K, BK=plan.BK, BR=plan.rows,
+                **gate_launch(opts, A_log is not None, dt_bias is not None))
         ctx.plan = plan
         ctx.save_for_backward(g2, A_log, dt_bias)
         ctx.opts, ctx.shape, ctx.dtype = opts, g.shape, g.dtype
@@ -118,5 +119,6 @@ def gate_chunk_cumsum(opts, g, A_log, dt_bias, cu_seqlens, cu_host):
     if NT_total:
         launch(kda_gate_cumsum_kernel, (NT_total, HV),
             g, A_log, dt_bias, y, cu_seqlens, chunk_indices, scale=opts.scale if opts.scale is not None else 1.0, T=T,
-            HV=HV, K=K, BK=pow2(K, 1), C=C, IS_VARLEN=cu_seqlens is not None, **gate_launch(opts, A_log is not None, dt_bias is not None))
+            HV=HV, K=K, BK=pow2(K, 1), C=C, IS_VARLEN=cu_seqlens is not None,
+            **gate_launch(opts, A_log is not None, dt_bias is not None))
     return y

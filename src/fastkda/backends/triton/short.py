@@ -270,8 +270,8 @@ def short_stage1(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs,
     w, u, xs, qg, kd, Aqk, gl = outputs or short_stage1_outputs(opts, plan, NT, x.q.dtype, x.q.device)
     if NT > 0:
         run = short_launch(opts, sp, x.A_log is not None, x.dt_bias is not None, x.cu_seqlens is not None)
-        run(chunk_grid(NT, opts.shape.HV, sp.heads_first), x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, w, u, xs, qg, kd, Aqk,
-            gl, x.cu_seqlens, chunk_indices)
+        run(chunk_grid(NT, opts.shape.HV, sp.heads_first), x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, w, u, xs,
+            qg, kd, Aqk, gl, x.cu_seqlens, chunk_indices)
     return ShortStage1(w, u, xs, qg, kd, Aqk, gl, chunk_indices, chunk_offsets, NT)
 
 
