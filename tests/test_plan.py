@@ -40,18 +40,18 @@ SAFE = dict(safe_gate=True, lower_bound=-5.0, gate=GateMode.LOWER_BOUND)
 
 
 @pytest.mark.parametrize("B,T,H,HV,dtype,kw,train,scan", [
-    (1, 8192, 96, 96, torch.bfloat16, SAFE, False, (16, 64, 4)),
-    (1, 8192, 64, 64, torch.bfloat16, SAFE, False, (16, 32, 2)),
-    (1, 8192, 48, 48, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, (16, 32, 2)),
-    (1, 8192, 32, 32, torch.bfloat16, SAFE, False, (16, 16, 2)),
-    (4, 4096, 4, 12, torch.float32, dict(gate=GateMode.SOFTPLUS), False, (16, 32, 2)),
-    (1, 32768, 16, 16, torch.bfloat16, SAFE, False, (32, 16, 4)),
-    (1, 32768, 16, 16, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, (16, 16, 2)),
+    (1, 8192, 96, 96, torch.bfloat16, SAFE, False, (16, 64, 4, 3)),
+    (1, 8192, 64, 64, torch.bfloat16, SAFE, False, (16, 32, 2, 3)),
+    (1, 8192, 48, 48, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, (16, 32, 2, 3)),
+    (1, 8192, 32, 32, torch.bfloat16, SAFE, False, (16, 16, 2, 3)),
+    (4, 4096, 4, 12, torch.float32, dict(gate=GateMode.SOFTPLUS), False, (16, 32, 2, 2)),
+    (1, 32768, 16, 16, torch.bfloat16, SAFE, False, (32, 16, 4, 5)),  # cut, one scan program per SM
+    (1, 32768, 16, 16, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, (16, 16, 2, 5)),
     (1, 32768, 8, 8, torch.bfloat16, SAFE, False, None),  # fewer pairs than short_min_pairs
-    (1, 8192, 1, 47, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, (16, 32, 2)),
+    (1, 8192, 1, 47, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, (16, 32, 2, 3)),
     (1, 8192, 64, 64, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), True, None),
     (1, 8192, 64, 64, torch.bfloat16, dict(), False, None),
-    (1, 8192, 64, 64, torch.bfloat16, dict(safe_gate=True), False, (16, 32, 2)),
+    (1, 8192, 64, 64, torch.bfloat16, dict(safe_gate=True), False, (16, 32, 2, 3)),
     (1, 8192, 64, 64, torch.bfloat16, dict(gate=GateMode.SOFTPLUS, return_intermediate_states=True), False, None)])
 def test_short_path_choice(B, T, H, HV, dtype, kw, train, scan):
     """The short path: inference calls of at least Tuning.short_min_pairs (16) sequence x value-head
@@ -59,15 +59,16 @@ def test_short_path_choice(B, T, H, HV, dtype, kw, train, scan):
     too for float16 inputs, which form u in stage 1), no intermediate states. ``scan``: its step
     (32 tokens, blocks merged in pairs, for bounded gates where 16-column programs would not
     outnumber the H200's 132 SMs), value columns (64, halved while the programs are fewer than the
-    SMs) and warps (4 at 64 columns or 32-token steps, else 2); 3 stages (2 for float32), the state
-    held transposed; u formed there (X kept in float32) except for float16 inputs."""
+    SMs), warps (4 at 64 columns or 32-token steps, else 2) and stages (3, 2 for float32; 5 for one
+    sequence cut into parts whose scan has at most one program per SM), the state held transposed;
+    u formed there (X kept in float32) except for float16 inputs."""
     opts = opts_for(B, T, H, HV, dtype=dtype, **kw)
     p = plan_for(opts, dtype, train=train, short_min_pairs=P.Tuning().short_min_pairs)
     short = scan is not None
     assert (p.short is not None) is short
     if short:
-        assert (p.forward.chunk, p.forward.BV, p.forward.launch.warps) == scan and p.short.chunk == scan[0]
-        assert p.forward.launch.stages == (3 if dtype != torch.float32 else 2)
+        assert (p.forward.chunk, p.forward.BV, p.forward.launch.warps, p.forward.launch.stages) == scan
+        assert p.short.chunk == scan[0]
         assert p.forward.form_u and p.short.form_u and p.short.bounded is opts.safe_gate
         assert p.stage1 is None and p.recompute is None and p.backward is None
         assert "short path" in p.describe() and f"{scan[0]}-token steps" in p.describe()
@@ -101,29 +102,33 @@ def test_short_chunk_forced(chunk):
             plan_for(opts, short_min_pairs=16, short_chunk=chunk)
 
 
-@pytest.mark.parametrize("B,T,H,kw,parts", [
-    (1, 32768, 16, SAFE, (8, 4096)),  # 16-column programs: 128 on 132 SMs
-    (1, 32768, 16, dict(gate=GateMode.SOFTPLUS), (8, 4096)),
-    (1, 30000, 16, SAFE, (7, 4288)),  # parts of whole 32-token chunks, the last shorter
-    (1, 12000, 32, SAFE, (2, 6000)),  # 16-token chunks at 256 programs: 2 per SM, 2 parts of >= 4096
-    (1, 8192, 64, SAFE, (2, 4096)),  # 32-column programs: 256
-    (1, 8192, 96, SAFE, (2, 4096)),  # 64-column programs: 192
-    (1, 8192, 160, SAFE, (1, 8192)),  # 64-column programs: 320, more than 2 per SM
-    (1, 8191, 64, SAFE, (1, 8191)),  # one part of 4096 at most
-    (1, 8193, 64, SAFE, (2, 4112)),  # the last part 4081 tokens
-    (2, 32768, 8, SAFE, (1, 32768)),  # two sequences: never cut
-    (1, 32768, 16, dict(safe_gate=True, graph=True), (1, 32768))])  # use_graph: never cut
-def test_short_parts_choice(B, T, H, kw, parts):
+@pytest.mark.parametrize("B,T,H,kw,parts,stages", [
+    (1, 32768, 16, SAFE, (4, 8192), 5),  # 16-column programs: 128 on 132 SMs, one each
+    (1, 32768, 16, dict(gate=GateMode.SOFTPLUS), (4, 8192), 5),
+    (1, 30000, 16, SAFE, (4, 7520), 5),  # parts of whole 32-token chunks, the last shorter
+    (1, 12000, 32, SAFE, (2, 6000), 3),  # 16-token chunks at 256 programs: 2 per SM, 2 parts of >= 4096
+    (1, 8192, 64, SAFE, (2, 4096), 3),  # 32-column programs: 256
+    (1, 8192, 96, SAFE, (2, 4096), 3),  # 64-column programs: 192
+    (1, 8192, 160, SAFE, (1, 8192), 3),  # 64-column programs: 320, more than 2 per SM
+    (1, 8191, 64, SAFE, (1, 8191), 3),  # one part of 4096 at most
+    (1, 8193, 64, SAFE, (2, 4112), 3),  # the last part 4081 tokens
+    (1, 16384, 16, dict(safe_gate=True, dtype=torch.float32), (4, 4096), 2),  # float32: 2 stages at most
+    (2, 32768, 8, SAFE, (1, 32768), 3),  # two sequences: never cut
+    (1, 32768, 16, dict(safe_gate=True, graph=True), (1, 32768), 3)])  # use_graph: never cut
+def test_short_parts_choice(B, T, H, kw, parts, stages):
     """A short-path call on one sequence whose scan has at most 2 programs per SM is cut along its
-    tokens into T // 4096 parts (at most 8) of whole chunks, the last the rest, each part's stage 1
-    beside the scan of the one before; explain says so."""
-    opts = opts_for(B, T, H, H, dtype=torch.bfloat16, **kw)
-    p = plan_for(opts, short_min_pairs=16)
+    tokens into T // 4096 parts (at most 4) of whole chunks, the last the rest, each part's stage 1
+    beside the scan of the one before; a scan of at most one program per SM then takes
+    Tuning.short_parts_scan_stages; explain says so."""
+    kw = dict(kw)
+    dtype = kw.pop("dtype", torch.bfloat16)
+    opts = opts_for(B, T, H, H, dtype=dtype, **kw)
+    p = plan_for(opts, dtype, short_min_pairs=16)
     assert (p.short.parts, p.short.part_tokens) == parts
+    assert p.forward.launch.stages == stages
     assert p.short.part_tokens % p.short.chunk == 0 or parts[0] == 1
     assert ("parts of" in p.describe()) is (parts[0] > 1)
     assert plan_for(opts, short_min_pairs=16, short_part_tokens=None).short.parts == 1
-
 
 @pytest.mark.parametrize("field,value", [("short_part_tokens", 0), ("short_part_tokens", -5), ("short_parts", 0),
                                          ("short_parts_fill", 0)])
