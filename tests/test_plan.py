@@ -43,9 +43,9 @@ SAFE = dict(safe_gate=True, lower_bound=-5.0, gate=GateMode.LOWER_BOUND)
     (1, 8192, 96, 96, torch.bfloat16, SAFE, False, (16, 64, 4, 3)),
     (1, 8192, 64, 64, torch.bfloat16, SAFE, False, (16, 32, 2, 3)),
     (1, 8192, 48, 48, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, (16, 32, 2, 3)),
-    (1, 8192, 32, 32, torch.bfloat16, SAFE, False, (16, 16, 2, 3)),
+    (1, 8192, 32, 32, torch.bfloat16, SAFE, False, (16, 16, 2, 5)),  # cut in 2
     (4, 4096, 4, 12, torch.float32, dict(gate=GateMode.SOFTPLUS), False, (16, 32, 2, 2)),
-    (1, 32768, 16, 16, torch.bfloat16, SAFE, False, (32, 16, 4, 5)),  # cut, one scan program per SM
+    (1, 32768, 16, 16, torch.bfloat16, SAFE, False, (32, 16, 4, 5)),  # cut in 4
     (1, 32768, 16, 16, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, (16, 16, 2, 5)),
     (1, 32768, 8, 8, torch.bfloat16, SAFE, False, None),  # fewer pairs than short_min_pairs
     (1, 8192, 1, 47, torch.bfloat16, dict(gate=GateMode.SOFTPLUS), False, (16, 32, 2, 3)),
@@ -60,8 +60,8 @@ def test_short_path_choice(B, T, H, HV, dtype, kw, train, scan):
     (32 tokens, blocks merged in pairs, for bounded gates where 16-column programs would not
     outnumber the H200's 132 SMs), value columns (64, halved while the programs are fewer than the
     SMs), warps (4 at 64 columns or 32-token steps, else 2) and stages (3, 2 for float32; 5 for one
-    sequence cut into parts whose scan has at most one program per SM), the state held transposed;
-    u formed there (X kept in float32) except for float16 inputs."""
+    sequence cut into parts whose scan runs 16 columns per program), the state held transposed; u
+    formed there (X kept in float32) except for float16 inputs."""
     opts = opts_for(B, T, H, HV, dtype=dtype, **kw)
     p = plan_for(opts, dtype, train=train, short_min_pairs=P.Tuning().short_min_pairs)
     short = scan is not None
@@ -103,10 +103,10 @@ def test_short_chunk_forced(chunk):
 
 
 @pytest.mark.parametrize("B,T,H,kw,parts,stages", [
-    (1, 32768, 16, SAFE, (4, 8192), 5),  # 16-column programs: 128 on 132 SMs, one each
+    (1, 32768, 16, SAFE, (4, 8192), 5),  # 16-column programs: 128 on 132 SMs
     (1, 32768, 16, dict(gate=GateMode.SOFTPLUS), (4, 8192), 5),
     (1, 30000, 16, SAFE, (4, 7520), 5),  # parts of whole 32-token chunks, the last shorter
-    (1, 12000, 32, SAFE, (2, 6000), 3),  # 16-token chunks at 256 programs: 2 per SM, 2 parts of >= 4096
+    (1, 12000, 32, SAFE, (2, 6000), 5),  # 16-token chunks at 256 programs: 2 per SM, 2 parts of >= 4096
     (1, 8192, 64, SAFE, (2, 4096), 3),  # 32-column programs: 256
     (1, 8192, 96, SAFE, (2, 4096), 3),  # 64-column programs: 192
     (1, 8192, 160, SAFE, (1, 8192), 3),  # 64-column programs: 320, more than 2 per SM
@@ -118,7 +118,7 @@ def test_short_chunk_forced(chunk):
 def test_short_parts_choice(B, T, H, kw, parts, stages):
     """A short-path call on one sequence whose scan has at most 2 programs per SM is cut along its
     tokens into T // 4096 parts (at most 4) of whole chunks, the last the rest, each part's stage 1
-    beside the scan of the one before; a scan of at most one program per SM then takes
+    beside the scan of the one before; a scan of 16 columns per program then takes
     Tuning.short_parts_scan_stages; explain says so."""
     kw = dict(kw)
     dtype = kw.pop("dtype", torch.bfloat16)

@@ -98,8 +98,9 @@ class Tuning:
     short_part_tokens: int | None = 4096
     short_parts: int = 4
     short_parts_fill: int = 2
-    # the stages of a cut sequence's scan of at most one program per SM: enough shared memory that
-    # no program of the next part's stage 1 shares an SM with the scan and slows its chain
+    # the stages of a cut sequence's scan at 16 value columns (few heads): its programs then take
+    # enough shared memory that no program of the next part's stage 1 shares their SM and slows
+    # their chain
     short_parts_scan_stages: int = 5
     # inference calls with fewer pairs than short_min_pairs: each sequence cut into segments of at
     # least this many tokens, run as sequences of their own (their state maps composed after), so
@@ -647,8 +648,7 @@ def _short(opts: KDAOptions, dtype: torch.dtype, dev: Device, tuning: Tuning, do
                    BK=BK, BV=BV, chunk=chunk, launch=tuning.short_pair if chunk == 32 else tuning.short,
                    parts=parts, part_tokens=part_tokens)
     warps = tuning.scan_warps if bv >= 64 or chunk == 32 else tuning.short_scan_warps_narrow
-    one_wave = parts > 1 and _scan_programs(opts, bv) <= dev.sm_count
-    stages = tuning.short_parts_scan_stages if one_wave else tuning.short_scan_stages
+    stages = tuning.short_parts_scan_stages if parts > 1 and bv <= 16 else tuning.short_scan_stages
     scan = ScanPlan(outputs=True, keep=False, form_u=form_u, BV=bv,
                     launch=Launch(scan_warps(warps, BK, bv), scan_stages(stages, BK, bv, dtype.itemsize)),
                     split_output=False, output_bv=min(BV, tuning.output_bv), output=tuning.output, chunk=chunk,
