@@ -98,9 +98,8 @@ class Tuning:
     short_part_tokens: int | None = 4096
     short_parts: int = 4
     short_parts_fill: int = 2
-    # the stages of a cut sequence's scan at 16 value columns (few heads): its programs then take
-    # enough shared memory that no program of the next part's stage 1 shares their SM and slows
-    # their chain
+    # the stages of a cut sequence's scan at 16 value columns (few heads), which runs beside the
+    # next part's stage 1: chosen by measurement (BENCHMARKS.md, "Parts")
     short_parts_scan_stages: int = 5
     # inference calls with fewer pairs than short_min_pairs: each sequence cut into segments of at
     # least this many tokens, run as sequences of their own (their state maps composed after), so
