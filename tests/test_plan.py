@@ -130,11 +130,12 @@ def test_short_parts_choice(B, T, H, kw, parts, stages):
     assert ("parts of" in p.describe()) is (parts[0] > 1)
     assert plan_for(opts, short_min_pairs=16, short_part_tokens=None).short.parts == 1
 
+
 @pytest.mark.parametrize("field,value", [("short_part_tokens", 0), ("short_part_tokens", -5), ("short_parts", 0),
-                                         ("short_parts_fill", 0)])
+                                         ("short_parts_fill", 0), ("short_parts_scan_stages", 0)])
 def test_short_parts_refuses(field, value):
-    """Tuning.short_part_tokens below 1 (None: never cut), Tuning.short_parts and short_parts_fill
-    below 1 are refused with a ValueError naming the field and the value."""
+    """Tuning.short_part_tokens below 1 (None: never cut), Tuning.short_parts, short_parts_fill and
+    short_parts_scan_stages below 1 are refused with a ValueError naming the field and the value."""
     opts = opts_for(1, 32768, 16, 16, dtype=torch.bfloat16, **SAFE)
     with pytest.raises(ValueError, match=f"{field} must be .*, got {value}"):
         plan_for(opts, short_min_pairs=16, **{field: value})

@@ -523,6 +523,8 @@ def short_parts(opts: KDAOptions, chunk: int, programs: int, sms: int, tuning: T
         raise ValueError(f"Tuning.short_parts must be positive, got {tuning.short_parts!r}")
     if tuning.short_parts_fill < 1:
         raise ValueError(f"Tuning.short_parts_fill must be positive, got {tuning.short_parts_fill!r}")
+    if tuning.short_parts_scan_stages < 1:
+        raise ValueError(f"Tuning.short_parts_scan_stages must be positive, got {tuning.short_parts_scan_stages!r}")
     if (tuning.short_part_tokens is None or s.N != 1 or opts.graph  # one sequence: B = 1 too
             or programs > tuning.short_parts_fill * sms):
         return 1, s.T
