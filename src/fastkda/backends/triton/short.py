@@ -184,52 +184,52 @@ def kda_fwd_short_kernel(
     i_h = i_hv // (HV // H)
     o_i = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    b_A, b_X, b_qg, b_kd, b_wk, b_G15, b_b = _short_block(
-        q, k, g, beta, A_log, dt_bias, bos, t0, T_seq, i_h, i_hv, scale, lower_bound, o_i, o_k, m_k, H, HV, K, GATE,
-        HAS_A, HAS_BIAS, FAST, L2NORM, SIGMOID, BETA_SCALE, BOUNDED, ANCHOR_CLAMP, PREC, INV_PREC)
     o_v = tl.arange(0, BV)
-    b_w = prod(b_X, b_wk, PREC)
-    store_tile(Aqk, b_A, bos, t0, T_seq, i_hv, HV, C, o_i, o_i)
-    store_tile(qg, b_qg, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
-    store_tile(w, b_w, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
-    if FORM_U:
-        tl.store(xs + i_p * (C * C) + o_i[:, None] * C + o_i[None, :], b_X)
-    else:
-        b_u = prod(b_X, load_tile(v, bos, t0, T_seq, i_hv, HV, V, o_i, o_v) * b_b[:, None], PREC)
-        store_tile(u, b_u, bos, t0, T_seq, i_hv, HV, V, o_i, o_v)
-    if C == 16:
-        store_tile(kd, b_kd, bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
-        b_gl = tl.exp2(b_G15)
-    else:
-        # the second block b after the first a, as one chunk (docs/math.md section 3): with
-        # M = w_b kd_a^T its rows take w_b e^(G_a) - M w_a, u_b - M u_a (X: -M X_a left of X_b),
-        # qg_b e^(G_a) and Aqk [qg_b kd_a^T, Aqk_b]; the first block's kd takes e^(G_b)
-        t1 = t0 + 16
-        b_ga = tl.exp2(b_G15)
-        b_A1, b_X1, b_qg1, b_kd1, b_wk1, b_G151, b_b1 = _short_block(
-            q, k, g, beta, A_log, dt_bias, bos, t1, T_seq, i_h, i_hv, scale, lower_bound, o_i, o_k, m_k, H, HV, K,
+    m_k = o_k < K
+    # the block before (none: kd 0, decay 1): with M = w kd_prev^T a block's rows take
+    # w e^(G_prev) - M w_prev, u - M u_prev (X: -M X_prev left of X), qg e^(G_prev) and Aqk
+    # [qg kd_prev^T, Aqk]; the block before's kd then takes this block's decay (docs/math.md 3)
+    b_kdp = tl.zeros([16, BK], dtype=tl.float32)
+    b_gp = tl.full([BK], 1.0, dtype=tl.float32)  # e^G of the chunk's blocks so far
+    for i_b in range(C // 16):  # a loop, not unrolled: one block's tiles live at a time
+        t = t0 + 16 * i_b
+        b_A, b_X, b_qg, b_kd, b_wk, b_G15, b_b = _short_block(
+            q, k, g, beta, A_log, dt_bias, bos, t, T_seq, i_h, i_hv, scale, lower_bound, o_i, o_k, m_k, H, HV, K,
             GATE, HAS_A, HAS_BIAS, FAST, L2NORM, SIGMOID, BETA_SCALE, BOUNDED, ANCHOR_CLAMP, PREC, INV_PREC)
-        b_gb = tl.exp2(b_G151)
-        b_w1 = prod(b_X1, b_wk1, PREC)
-        b_kdt = tl.trans(b_kd)
-        b_M = prod(b_w1, b_kdt, PREC)  # [16, 16]
-        store_tile(kd, b_kd * b_gb[None, :], bos, t0, T_seq, i_hv, HV, K, o_i, o_k)
-        store_tile(kd, b_kd1, bos, t1, T_seq, i_hv, HV, K, o_i, o_k)
-        store_tile(Aqk, tl.zeros([16, 16], dtype=tl.float32), bos, t0, T_seq, i_hv, HV, C, o_i, 16 + o_i)
-        store_tile(Aqk, prod(b_qg1, b_kdt, PREC), bos, t1, T_seq, i_hv, HV, C, o_i, o_i)
-        store_tile(Aqk, b_A1, bos, t1, T_seq, i_hv, HV, C, o_i, 16 + o_i)
-        store_tile(qg, b_qg1 * b_ga[None, :], bos, t1, T_seq, i_hv, HV, K, o_i, o_k)
-        store_tile(w, b_w1 * b_ga[None, :] - prod(b_M, b_w, PREC), bos, t1, T_seq, i_hv, HV, K, o_i, o_k)
+        b_gb = tl.exp2(b_G15)
+        b_w = prod(b_X, b_wk, PREC)
+        store_tile(Aqk, b_A, bos, t, T_seq, i_hv, HV, C, o_i, 16 * i_b + o_i)
+        if C > 16:
+            # the block before's w, X (or u) read back as stored (the products round them so anyway);
+            # none before the first block (every row masked, the pointers kept in the chunk)
+            t_p = tl.maximum(t - 16, t0)
+            T_p = tl.where(i_b > 0, T_seq, 0)
+            tl.debug_barrier()
+            b_kdt = tl.trans(b_kdp)
+            b_M = prod(b_w, b_kdt, PREC)  # [16, 16]
+            store_tile(Aqk, prod(b_qg, b_kdt, PREC), bos, t, T_seq, i_hv, HV, C, o_i, 16 * (1 - i_b) + o_i)
+            store_tile(kd, b_kdp * b_gb[None, :], bos, t_p, T_p, i_hv, HV, K, o_i, o_k)
+            b_w = b_w * b_gp[None, :] - prod(b_M, load_tile(w, bos, t_p, T_p, i_hv, HV, K, o_i, o_k), PREC)
+            b_qg *= b_gp[None, :]
+        store_tile(qg, b_qg, bos, t, T_seq, i_hv, HV, K, o_i, o_k)
+        store_tile(w, b_w, bos, t, T_seq, i_hv, HV, K, o_i, o_k)
         if FORM_U:
-            p_x = xs + i_p * (C * C) + (16 + o_i[:, None]) * C + o_i[None, :]
-            tl.store(p_x, -prod(b_M, b_X, PREC))
-            tl.store(p_x + 16, b_X1)
+            p_x = xs + i_p * (C * C) + o_i[:, None] * C + o_i[None, :]
+            tl.store(p_x + 16 * i_b * (C + 1), b_X)
+            if C > 16:
+                i_p16 = 16 * tl.maximum(i_b - 1, 0)
+                m_p = (i_b > 0) & (o_i < 16)[:, None]
+                b_Xp = tl.load(p_x + i_p16 * (C + 1), mask=m_p, other=0.0)
+                tl.store(p_x + 16 * i_b * C + i_p16, -prod(b_M, b_Xp, PREC), mask=m_p)
         else:
-            b_u1 = prod(b_X1, load_tile(v, bos, t1, T_seq, i_hv, HV, V, o_i, o_v) * b_b1[:, None], PREC)
-            store_tile(u, b_u1 - prod(b_M, b_u, PREC), bos, t1, T_seq, i_hv, HV, V, o_i, o_v)
-        b_gl = b_ga * b_gb
-    tl.store(gl + i_p * K + o_k, b_gl, mask=m_k)
+            b_u = prod(b_X, load_tile(v, bos, t, T_seq, i_hv, HV, V, o_i, o_v) * b_b[:, None], PREC)
+            if C > 16:
+                b_u -= prod(b_M, load_tile(u, bos, t_p, T_p, i_hv, HV, V, o_i, o_v), PREC)
+            store_tile(u, b_u, bos, t, T_seq, i_hv, HV, V, o_i, o_v)
+        b_kdp = b_kd
+        b_gp *= b_gb
+    store_tile(kd, b_kdp, bos, t0 + C - 16, T_seq, i_hv, HV, K, o_i, o_k)
+    tl.store(gl + i_p * K + o_k, b_gp, mask=m_k)
 
 
 class ShortStage1(NamedTuple):
