@@ -25,7 +25,7 @@ CHUNK_MODULES = ("chunk_gates", "intra", "wy", "scan", "output", "short", "bwd_s
 CALLS = {
     "whole safe": (torch.bfloat16, "safe", True, {}, {}, {
         "kda_fwd_gates_kernel", "kda_fwd_intra_chunk_kernel", "kda_fwd_inverse_kernel", "kda_fwd_wu_kernel",
-        "kda_fwd_scan_kernel", "kda_bwd_scan_kernel", "kda_bwd_v_kernel", "kda_bwd_k_kernel",
+        "kda_fwd_scan_kernel", "kda_bwd_scan_kernel", "kda_bwd_state_kernel", "kda_bwd_v_kernel", "kda_bwd_k_kernel",
         "kda_bwd_gate_block_kernel", "kda_bwd_dg_kernel", "kda_bwd_qk_kernel"}),
     "whole softplus": (torch.bfloat16, "softplus", True, {}, {}, {"kda_fwd_gates_kernel"}),
     "whole softplus unsplit": (torch.bfloat16, "softplus", True, {}, dict(split_unbounded=False),

@@ -62,9 +62,11 @@ IO: dict[str, Callable[[dict], tuple[list[str], list[str]]]] = {
     "kda_bwd_scan_kernel": lambda f: (
         ["qg", "w", "kd", "Aqk", "gl", "do", *_when(f["USE_DHT"], "dht")],
         ["dhs", "dvn", *_when(f["STORE_DH0"], "dh0")]),
+    "kda_bwd_state_kernel": lambda f: (
+        ["h", *(["dhs", "vn"] if f["FROM_DH"] else ["do", "dvn"])],
+        ["s_dkd", "s_dgam"] if f["FROM_DH"] else ["s_dqg", "s_dw"]),
     "kda_bwd_v_kernel": lambda f: (
-        ["v", "beta", "u", "vn", "h", "dhs", "do", "dvn", "xs"],
-        ["s_dqg", "s_dkd", "s_dw", "s_dA", "s_dL", "s_db", "s_dgam", "dv"]),
+        ["v", "beta", "u", "vn", "do", "dvn", "xs"], ["s_dA", "s_dL", "s_db", "dv"]),
     "kda_bwd_k_kernel": lambda f: (
         ["k", "beta", "w", "gc", "ls", "xs", "rs", "s_dw", "s_dL", "s_db"], ["s_dw", "s_dL", "dbeta"]),
     "kda_bwd_gate_block_kernel": lambda f: (

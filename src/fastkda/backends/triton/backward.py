@@ -1,12 +1,13 @@
 """The chunk backward on the host: the backward state scan, then the chunk-parallel gradients
 (phases A and B: bwd_wy; phase C: bwd_intra), then the l2-norm backward, as the plan says.
 
-Peak memory per token and value head (K = V = 128, C = 64, bf16 inputs, bytes): stage 1's w, u
-(512), gc (512; the block path also ga, 512), Akk, X (512), Aqk (128); the scan's h (512) and v'
-(256); dH and dv' (1536); the chunk kernels' dqg, dkd, dw (1536), dAqk, dAkk (512) and dv, dg
-(512): 6528 B on the whole-chunk path, 7040 B on the block path. qg and kd are freed before the
-chunk kernels (Aqk too when the backward recomputed it); dq and dk (before l2norm) reuse the
-buffers of dqg and dkd.
+Peak memory per token and value head (K = V = 128, C = 64, bf16 inputs, bytes), at phase A's
+last launch: stage 1's w, u (512), gc (512; the block path also ga, 512), Akk, X (512), Aqk and
+X's bfloat16 copy (256); the scan's v' (256); dv' (512); the chunk kernels' dqg, dkd, dw (1536),
+dAqk, dAkk (512) and dv (256): 4864 B on the whole-chunk path, 5376 B on the block path. Phase A
+runs in three launches so that dH (1024) is freed before dqg and dw are allocated and h (512)
+before dAqk, dAkk and dv. qg and kd are freed before the chunk kernels (Aqk too when the backward
+recomputed it); dq and dk (before l2norm) reuse the buffers of dqg and dkd.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ...options import KDAInputs, KDAOptions
 from .bwd_intra import kda_bwd_dg_kernel, kda_bwd_gate_block_kernel, kda_bwd_gate_kernel
 from .bwd_l2norm import bwd_qk
 from .bwd_scan import bwd_scan
-from .bwd_wy import kda_bwd_k_kernel, kda_bwd_v_kernel
+from .bwd_wy import kda_bwd_k_kernel, kda_bwd_state_kernel, kda_bwd_v_kernel
 from .common import contiguous, gate_launch, launch, out_alloc
 from .forward import Stage1
 from .plan import ChunkPlan, cdiv, pow2
@@ -26,9 +27,10 @@ from .plan import ChunkPlan, cdiv, pow2
 
 def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, work: list, do):
     """Backward stage 2 (phases A, B, C) from ``work`` = [stage 1's output, v', h, dhs, dv'], which
-    is emptied: what only phase A reads (v', h, dhs, dv', u) is freed after it, w after phase B, and
-    dg is allocated after both, so that the phases' peaks do not add up. Returns (dq, dk per value
-    head before l2norm [B, T, HV, K] float32, for ``bwd_qk``; dv, dg, dbeta, dA_log, ddt_bias)."""
+    is emptied: what only phase A reads (v', h, dhs, dv', u) is freed as its launches finish with
+    it, w after phase B, and dg is allocated after both, so that the phases' peaks do not add up.
+    Returns (dq, dk per value head before l2norm [B, T, HV, K] float32, for ``bwd_qk``; dv, dg,
+    dbeta, dA_log, ddt_bias)."""
     p, vn, h, dhs, dvn = work
     work.clear()
     s, C, b = opts.shape, opts.chunk_size, plan.backward
@@ -36,12 +38,7 @@ def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, work: list,
     dev, NT, cu_seqlens = x.q.device, p.NT_total, x.cu_seqlens
     f32 = dict(dtype=torch.float32, device=dev)
     alloc = out_alloc(opts)  # use_graph: rows past the last sequence, never written, are zero
-    s_dqg, s_dkd = (alloc(B, T, HV, K, **f32) for _ in range(2))
-    s_dw = new_empty(B, T, HV, K, **f32)
-    s_dA, s_dL = (new_empty(NT, HV, C, C, **f32) for _ in range(2))
-    s_db = new_empty(NT, HV, C, **f32)
     s_dgam = new_empty(NT, HV, K, **f32)
-    dv = alloc(B, T, HV, V, dtype=x.v.dtype, device=dev)
     dbeta = alloc(*x.beta.shape, dtype=x.beta.dtype, device=dev)
     # per-slot partial sums: with use_graph the slots past the real chunks are skipped and must add zero
     dbias_part = alloc(NT, HV, K, **f32) if x.dt_bias is not None else None
@@ -52,11 +49,25 @@ def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, work: list,
                      IS_VARLEN=cu_seqlens is not None)
         beta_kw = dict(SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale)
         NKS = cdiv(K, b.state_bs)
-        launch(kda_bwd_v_kernel, (NT * (NKS + 1), HV),
-               x.v, x.beta, p.u, vn, h, dhs, do, dvn, p.xs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, dv,
-               scale=opts.scale, K=K, V=V, BKS=b.state_bs, NKS=NKS, BV=BV, BS=b.BS, MIRROR=b.whole, **beta_kw, **where,
-               PREC=plan.dot.prec, **b.v.kwargs())
-        del vn, h, dhs, dvn
+        state_kw = dict(K=K, V=V, BKS=b.state_bs, NKS=NKS, BV=BV, BS=b.BS, **where, PREC=plan.dot.prec, **b.v.kwargs())
+        # phase A in three launches, each allocating its outputs once the last reader of dH, then of
+        # S, has run: the step's peak holds no more than two of dH, S and the phase's scratches
+        s_dkd = alloc(B, T, HV, K, **f32)
+        launch(kda_bwd_state_kernel, (NT * NKS, HV), h, dhs, vn, None, None, None, s_dkd, None, s_dgam,
+               FROM_DH=True, **state_kw)
+        del dhs
+        s_dqg = alloc(B, T, HV, K, **f32)
+        s_dw = new_empty(B, T, HV, K, **f32)
+        launch(kda_bwd_state_kernel, (NT * NKS, HV), h, None, None, do, dvn, s_dqg, None, s_dw, None,
+               FROM_DH=False, **state_kw)
+        del h
+        s_dA, s_dL = (new_empty(NT, HV, C, C, **f32) for _ in range(2))
+        s_db = new_empty(NT, HV, C, **f32)
+        dv = alloc(B, T, HV, V, dtype=x.v.dtype, device=dev)
+        launch(kda_bwd_v_kernel, (NT, HV), x.v, x.beta, p.u, vn, do, dvn, p.xs, s_dA, s_dL, s_db, dv,
+               scale=opts.scale, V=V, BV=BV, BS=b.BS, MIRROR=b.whole, **beta_kw, **where, PREC=plan.dot.prec,
+               **b.v.kwargs())
+        del vn, dvn
         p = p._replace(u=None)
         launch(kda_bwd_k_kernel, (NT, HV),
                x.k, x.beta, p.w, p.gc, p.ls, p.xs, p.rs, s_dw, s_dL, s_db, dbeta,
@@ -87,7 +98,9 @@ def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, work: list,
                    s_B, dg, dA_part, dbias_part, scale=opts.scale, H=H, K=K, BS=b.BS, NSK=NSK, SAFE=opts.safe_gate,
                    EXACT=b.exact_pairs, DIAG_PREC=b.diag_prec, **gate, **where, PREC=plan.dot.prec,
                    **b.gate.kwargs())
-    else:  # no tokens: zero parameter gradients
+    else:  # no tokens: zero gradients
+        s_dqg, s_dkd = (alloc(B, T, HV, K, **f32) for _ in range(2))
+        dv = alloc(B, T, HV, V, dtype=x.v.dtype, device=dev)
         dg = alloc(B, T, HV, K, dtype=x.g.dtype, device=dev)
         dA_part = torch.zeros(1, HV, 1, **f32) if x.A_log is not None else None
         dbias_part = torch.zeros(1, HV, K, **f32) if x.dt_bias is not None else None

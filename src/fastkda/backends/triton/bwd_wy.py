@@ -2,9 +2,10 @@
 
 Per chunk and value head, with v' = u - w S and dv' from the backward scan (docs/math.md section 5):
 
-    phase A (kda_bwd_v_kernel, contractions over V):
-        dqg = do S^T     dkd = v' dH^T     dw = -dv' S^T     dAqk = do v'^T
-        a = X^T dv'      dv = beta a       dL = -a u^T       dgam = rowsum(S * dH)
+    phase A (contractions over V), in three launches so that dH and S are freed early:
+        kda_bwd_state_kernel, FROM_DH:  dkd = v' dH^T     dgam = rowsum(S * dH)
+        kda_bwd_state_kernel:           dqg = do S^T      dw = -dv' S^T
+        kda_bwd_v_kernel:               dAqk = do v'^T    a = X^T dv'    dv = beta a    dL = -a u^T
     phase B (kda_bwd_k_kernel, contractions over K):
         b = X^T dw       dkg = beta b      dL -= b w^T
         dbeta = rowsum(v a) + rowsum(kg b) + rowsum(dL * Akk)      dAkk = Diag(beta) dL (strictly lower)
@@ -33,64 +34,79 @@ def _state(x, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def kda_bwd_v_kernel(
-    v, beta, u, vn, h, dhs, do, dvn, xs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_db, s_dgam, dv,
-    cu_seqlens, chunk_indices, scale, T,
+def kda_bwd_state_kernel(
+    h, dhs, vn, do, dvn, s_dqg, s_dkd, s_dw, s_dgam,
+    cu_seqlens, chunk_indices, T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKS: tl.constexpr, NKS: tl.constexpr,
-    BV: tl.constexpr, BS: tl.constexpr, SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr, MIRROR: tl.constexpr,
+    BV: tl.constexpr, BS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, FROM_DH: tl.constexpr,
 ):
-    """Phase A, the contractions over V, as [C, BS] x [BS, .] products of the whole chunk. Parts
-    0..NKS-1 of a chunk: the state products for BKS feature columns each (dqg, dkd, dw and the
-    chunk-decay gradient dgam); part NKS: the products within the chunk (dAqk, a, dv, dL, beta's
-    first terms). MIRROR: dAqk's upper triangle holds its transpose (else zeros)."""
-    i_part, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NKS + 1, False)
+    """Phase A's state products as [C, BS] x [BS, BKS] products, one program per chunk, value head
+    and BKS feature columns (NKS of them): FROM_DH, dkd and the chunk-decay gradient dgam from the
+    state gradient dH (dhs); else dqg and dw from the state S (h). The pointers the other form
+    writes are None."""
+    i_part, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NKS, False)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     o_c = tl.arange(0, C)
-    if i_part < NKS:
-        o_k = i_part * BKS + tl.arange(0, BKS)
-        h += i_p * K * V
-        dhs += i_p * K * V
-        b_dqg = tl.zeros([C, BKS], tl.float32)
-        b_dkd = tl.zeros([C, BKS], tl.float32)
-        b_dw = tl.zeros([C, BKS], tl.float32)
-        b_dgam = tl.zeros([BKS], tl.float32)  # gradient of the chunk decay gl
-        for s in range(0, BV, BS):
-            o_v = s + tl.arange(0, BS)
-            b_S = _state(h, o_k, o_v, K, V)  # [BKS, BS]
-            b_dH = _state(dhs, o_k, o_v, K, V)
-            b_dqg += prod(load_tile(do, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_S), PREC)
-            b_dkd += prod(load_tile(vn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_dH), PREC)
-            b_dw -= prod(load_tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_S), PREC)
+    o_k = i_part * BKS + tl.arange(0, BKS)
+    h += i_p * K * V
+    b_a = tl.zeros([C, BKS], tl.float32)  # dkd, or dqg
+    b_b = tl.zeros([C, BKS], tl.float32)  # dw
+    b_dgam = tl.zeros([BKS], tl.float32)  # gradient of the chunk decay gl
+    for s in range(0, BV, BS):
+        o_v = s + tl.arange(0, BS)
+        b_S = _state(h, o_k, o_v, K, V)  # [BKS, BS]
+        if FROM_DH:
+            b_dH = _state(dhs + i_p * K * V, o_k, o_v, K, V)
+            b_a += prod(load_tile(vn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_dH), PREC)
             b_dgam += tl.sum(b_S * b_dH, 1)
-        store_tile(s_dqg, b_dqg, bos, t0, T_seq, i_hv, HV, K, o_c, o_k)
-        store_tile(s_dkd, b_dkd, bos, t0, T_seq, i_hv, HV, K, o_c, o_k)
-        store_tile(s_dw, b_dw, bos, t0, T_seq, i_hv, HV, K, o_c, o_k)
+        else:
+            b_a += prod(load_tile(do, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_S), PREC)
+            b_b -= prod(load_tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_S), PREC)
+    if FROM_DH:
+        store_tile(s_dkd, b_a, bos, t0, T_seq, i_hv, HV, K, o_c, o_k)
         tl.store(s_dgam + i_p * K + o_k, b_dgam, mask=o_k < K)
     else:
-        b_X = block_lower(xs + i_p * C * C, o_c, C)  # X is block lower triangular
-        b_b = load_beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)  # [C]
-        b_dA = tl.zeros([C, C], tl.float32)
-        b_dL = tl.zeros([C, C], tl.float32)
-        b_db = tl.zeros([C], tl.float32)
-        for s in range(0, BV, BS):
-            o_v = s + tl.arange(0, BS)
-            b_vn = load_tile(vn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)  # [C, BS]
-            b_dA += prod(load_tile(do, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_vn), PREC)
-            b_a = prod(tl.trans(b_X), load_tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), PREC)  # a = X^T dv'
-            store_tile(dv, b_b[:, None] * b_a, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)
-            b_db += tl.sum(load_tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_v) * b_a, 1)
-            b_dL -= prod(b_a, tl.trans(load_tile(u, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)), PREC)
-        o_cc = i_p * C * C + o_c[:, None] * C + o_c[None, :]
-        # Aqk is stored times scale: its gradient goes to q and k times scale
-        b_dA *= scale
-        b_up = tl.zeros([C, C], tl.float32)
-        if MIRROR:
-            b_up = tl.trans(b_dA)
-        tl.store(s_dA + o_cc, tl.where(o_c[:, None] >= o_c[None, :], b_dA, b_up))
-        tl.store(s_dL + o_cc, b_dL)
-        tl.store(s_db + i_p * C + o_c, b_db)
+        store_tile(s_dqg, b_a, bos, t0, T_seq, i_hv, HV, K, o_c, o_k)
+        store_tile(s_dw, b_b, bos, t0, T_seq, i_hv, HV, K, o_c, o_k)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_v_kernel(
+    v, beta, u, vn, do, dvn, xs, s_dA, s_dL, s_db, dv,
+    cu_seqlens, chunk_indices, scale, T,
+    HV: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr,
+    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, MIRROR: tl.constexpr,
+):
+    """Phase A's products within the chunk (dAqk, a, dv, dL, beta's first terms) as [C, BS] x
+    [BS, C] products, one program per chunk and value head. MIRROR: dAqk's upper triangle holds
+    its transpose (else zeros)."""
+    _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1, False)
+    if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
+        return
+    o_c = tl.arange(0, C)
+    b_X = block_lower(xs + i_p * C * C, o_c, C)  # X is block lower triangular
+    b_b = load_beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)  # [C]
+    b_dA = tl.zeros([C, C], tl.float32)
+    b_dL = tl.zeros([C, C], tl.float32)
+    b_db = tl.zeros([C], tl.float32)
+    for s in range(0, BV, BS):
+        o_v = s + tl.arange(0, BS)
+        b_vn = load_tile(vn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)  # [C, BS]
+        b_dA += prod(load_tile(do, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_vn), PREC)
+        b_a = prod(tl.trans(b_X), load_tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), PREC)  # a = X^T dv'
+        store_tile(dv, b_b[:, None] * b_a, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)
+        b_db += tl.sum(load_tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_v) * b_a, 1)
+        b_dL -= prod(b_a, tl.trans(load_tile(u, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)), PREC)
+    o_cc = i_p * C * C + o_c[:, None] * C + o_c[None, :]
+    # Aqk is stored times scale: its gradient goes to q and k times scale
+    b_dA *= scale
+    b_up = tl.zeros([C, C], tl.float32)
+    if MIRROR:
+        b_up = tl.trans(b_dA)
+    tl.store(s_dA + o_cc, tl.where(o_c[:, None] >= o_c[None, :], b_dA, b_up))
+    tl.store(s_dL + o_cc, b_dL)
+    tl.store(s_db + i_p * C + o_c, b_db)
 
 
 @triton.jit(do_not_specialize=["T"])

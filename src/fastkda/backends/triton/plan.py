@@ -370,7 +370,7 @@ class BackwardPlan:
     scan: Launch
     BS: int
     state_bs: int
-    v: Launch
+    v: Launch  # phase A's three launches (kda_bwd_state_kernel twice, kda_bwd_v_kernel)
     k: Launch
     whole: bool  # the whole-chunk gate gradients (kda_bwd_gate_block_kernel, kda_bwd_dg_kernel)
     pair_prec: str
