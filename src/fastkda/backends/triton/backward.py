@@ -21,7 +21,6 @@ from .bwd_l2norm import bwd_qk
 from .bwd_scan import bwd_scan
 from .bwd_wy import kda_bwd_k_kernel, kda_bwd_state_kernel, kda_bwd_v_kernel
 from .common import contiguous, gate_launch, launch, out_alloc
-from .forward import Stage1
 from .plan import ChunkPlan, cdiv, pow2
 
 
@@ -49,9 +48,9 @@ def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, work: list,
                      IS_VARLEN=cu_seqlens is not None)
         beta_kw = dict(SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale)
         NKS = cdiv(K, b.state_bs)
-        state_kw = dict(K=K, V=V, BKS=b.state_bs, NKS=NKS, BV=BV, BS=b.BS, **where, PREC=plan.dot.prec, **b.v.kwargs())
-        # phase A in three launches, each allocating its outputs once the last reader of dH, then of
-        # S, has run: the step's peak holds no more than two of dH, S and the phase's scratches
+        state_kw = dict(K=K, V=V, BKS=b.state_bs, NKS=NKS, BV=BV, BS=b.BS, **where, PREC=plan.dot.prec,
+                        **b.state.kwargs())
+        # phase A: dH freed before dqg and dw are allocated, h before dAqk, dAkk and dv
         s_dkd = alloc(B, T, HV, K, **f32)
         launch(kda_bwd_state_kernel, (NT * NKS, HV), h, dhs, vn, None, None, None, s_dkd, None, s_dgam,
                FROM_DH=True, **state_kw)

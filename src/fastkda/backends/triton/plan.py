@@ -125,6 +125,7 @@ class Tuning:
     bwd_scan_bv_crowded: int | None = 128
     bwd_scan_warps: int = 8
     bwd_scan_stages: int = 3
+    bwd_state: Launch = Launch(4)
     bwd_v: Launch = Launch(4)
     bwd_k: Launch = Launch(2, 1, 168)
     bwd_gate: Launch = Launch(2, 1, 128)
@@ -370,7 +371,8 @@ class BackwardPlan:
     scan: Launch
     BS: int
     state_bs: int
-    v: Launch  # phase A's three launches (kda_bwd_state_kernel twice, kda_bwd_v_kernel)
+    state: Launch  # phase A's state products (kda_bwd_state_kernel, two launches)
+    v: Launch  # phase A's products within the chunk (kda_bwd_v_kernel)
     k: Launch
     whole: bool  # the whole-chunk gate gradients (kda_bwd_gate_block_kernel, kda_bwd_dg_kernel)
     pair_prec: str
@@ -445,7 +447,8 @@ class ChunkPlan:
                      f"dg {b.dg_bs} columns {_fmt(b.dg)})" if b.whole else
                      f"block gate gradients ({'exact' if b.exact_pairs else 'row/column'} pair sums, "
                      f"diagonal {b.diag_prec}, {_fmt(b.gate)})")
-            lines.append(f"  backward chunk: dv {_fmt(b.v)}, dk {_fmt(b.k)}; {gates}; "
+            lines.append(f"  backward chunk: state products from dH, then from h, {b.state_bs} columns "
+                         f"{_fmt(b.state)}; dv {_fmt(b.v)}, dk {_fmt(b.k)}; {gates}; "
                          f"dq, dk per key head {b.qk_rows} rows {_fmt(b.qk)}")
         return "\n".join(lines)
 
@@ -670,7 +673,8 @@ def _backward(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, dev: Device,
         scan_bv=bv, scan=Launch(scan_warps(tuning.bwd_scan_warps, BK, bv),
                                 scan_stages(tuning.bwd_scan_stages, BK, bv, dtype.itemsize)),
         BS=min(tuning.slice, BK, BV), state_bs=min(tuning.bwd_state_slice, BK),
-        v=_wide(tuning.bwd_v, BK, BV), k=_wide(tuning.bwd_k, BK, BV), whole=s1.whole,
+        state=_wide(tuning.bwd_state, BK, BV), v=_wide(tuning.bwd_v, BK, BV), k=_wide(tuning.bwd_k, BK, BV),
+        whole=s1.whole,
         pair_prec=(PAIR_PREC if opts.safe_gate else PAIR_PREC_UNBOUNDED)[dtype],
         gate_block_bs=min(tuning.bwd_gate_block_slice, BK),
         dg_bs=min(tuning.bwd_dg_slice, BK), dg=_wide(tuning.bwd_dg, BK, BV),
