@@ -330,11 +330,13 @@ def breakdown(name="B1 T8192 H64"):
 
 
 BACKWARD = [
-    # name, B, T, H, K (= V), gate
-    *[(f"B1 T8192 H{h} {gate}", 1, 8192, h, 128, gate) for h in (64, 96) for gate in ("safe", "softplus")],
-    ("B1 T8192 H64 softplus init", 1, 8192, 64, 128, "softplus init"),
-    *[(f"B4 T4096 H32 {gate}", 4, 4096, 32, 128, gate) for gate in ("safe", "softplus")],
-    *[(f"B8 T2048 H16 K64 {gate}", 8, 2048, 16, 64, gate) for gate in ("safe", "softplus")],
+    # name, B, T, H, K (= V), gate, seqlens (None: B sequences of T tokens)
+    *[(f"B1 T8192 H{h} {gate}", 1, 8192, h, 128, gate, None) for h in (64, 96) for gate in ("safe", "softplus")],
+    ("B1 T8192 H64 softplus init", 1, 8192, 64, 128, "softplus init", None),
+    *[(f"B4 T4096 H32 {gate}", 4, 4096, 32, 128, gate, None) for gate in ("safe", "softplus")],
+    *[(f"varlen 6 seqs H64 {gate}", 1, None, 64, 128, gate, [1300, 547, 2048, 963, 271, 3063])
+      for gate in ("safe", "softplus init")],
+    *[(f"B8 T2048 H16 K64 {gate}", 8, 2048, 16, 64, gate, None) for gate in ("safe", "softplus")],
 ]
 
 
@@ -346,11 +348,11 @@ def bench_backward(cases, done=None):
 
     rows = []
     impls = _impls()
-    for name, B, T, H, K, gate in cases:
-        x, kw = make(B, T, H, None, gate, K=K, V=K, grad=True)
+    for name, B, T, H, K, gate, seqlens in cases:
+        x, kw = make(B, T, H, seqlens, gate, K=K, V=K, grad=True)
         leaves = [*x.values(), kw["A_log"], kw["dt_bias"]]
-        do = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
-        row = {"case": name, "gate": gate, "B": B, "T": T, "H": H, "K": K}
+        do = torch.randn_like(x["v"])
+        row = {"case": name, "gate": gate, "B": B, "T": sum(seqlens) if seqlens else T, "H": H, "K": K}
         for lib, fn in impls.items():
             def step():
                 o, _ = fn(**x, **kw)

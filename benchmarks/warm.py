@@ -32,8 +32,8 @@ def warm(lib: str, suite: str, case: str) -> float:
         with torch.inference_mode():
             fn(**x, **kw)
     else:
-        _, B, T, H, K, gate = next(c for c in BACKWARD if c[0] == case)
-        x, kw = make(B, T, H, None, gate, K=K, V=K, grad=True)
+        _, B, T, H, K, gate, seqlens = next(c for c in BACKWARD if c[0] == case)
+        x, kw = make(B, T, H, seqlens, gate, K=K, V=K, grad=True)
         o, _ = fn(**x, **kw)
         torch.autograd.grad(o, [*x.values(), kw["A_log"], kw["dt_bias"]], torch.randn_like(o))
     torch.cuda.synchronize()

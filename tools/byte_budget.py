@@ -123,8 +123,7 @@ def launches(case: str, gate: str | None, backward: bool, sm_count: int):
         _, B, T, H, seqlens, case_gate = forward[case]
         K = 128
     elif case in training:
-        _, B, T, H, K, case_gate = training[case]
-        seqlens = None
+        _, B, T, H, K, case_gate, seqlens = training[case]
     else:
         raise SystemExit(f"--case {case!r}: one of {sorted({*forward, *training})}")
     x, kw = make(B, T, H, seqlens, gate or case_gate, K=K, V=K, device="cpu", grad=backward)

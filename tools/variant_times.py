@@ -42,9 +42,9 @@ def case_shape(case: str) -> dict:
     for name, B, T, H, seqlens, gate in FORWARD:
         if name == case:
             return dict(B=B, T=T, H=H, seqlens=seqlens, gate=gate)
-    for name, B, T, H, K, gate in BACKWARD:
+    for name, B, T, H, K, gate, seqlens in BACKWARD:
         if name == case:
-            return dict(B=B, T=T, H=H, seqlens=None, gate=gate, K=K, V=K)
+            return dict(B=B, T=T, H=H, seqlens=seqlens, gate=gate, K=K, V=K)
     raise SystemExit(f"no case {case!r} in bench_ops.FORWARD or BACKWARD")
 
 
