@@ -42,8 +42,8 @@ def kda_bwd_state_kernel(
 ):
     """Phase A's state products as [C, BS] x [BS, BKS] products, one program per chunk, value head
     and BKS feature columns (NKS of them): FROM_DH, dkd and the chunk-decay gradient dgam from the
-    state gradient dH (dhs); else dqg and dw from the state S (h). The pointers the other form
-    writes are None."""
+    state gradient dH (dhs); else dqg and dw from the state S (h). The pointers only the other
+    form uses are None."""
     i_part, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NKS, False)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return

@@ -191,7 +191,10 @@ def kda_fwd_short_kernel(
     # [qg kd_prev^T, Aqk]; the block before's kd then takes this block's decay (docs/math.md 3)
     b_kdp = tl.zeros([16, BK], dtype=tl.float32)
     b_gp = tl.full([BK], 1.0, dtype=tl.float32)  # e^G of the chunk's blocks so far
-    for i_b in range(C // 16):  # a loop, not unrolled: one block's tiles live at a time
+    tl.static_assert(C == 16 or C == 32)
+    # a loop, not unrolled (one block's tiles live at a time), never pipelined: a block reads back
+    # what the block before stored
+    for i_b in tl.range(0, C // 16, num_stages=1):
         t = t0 + 16 * i_b
         b_A, b_X, b_qg, b_kd, b_wk, b_G15, b_b = _short_block(
             q, k, g, beta, A_log, dt_bias, bos, t, T_seq, i_h, i_hv, scale, lower_bound, o_i, o_k, m_k, H, HV, K,
