@@ -20,7 +20,8 @@
 # Environment: FASTKDA_TEST_WORKERS (4), FASTKDA_TEST_TIMEOUT (all pytest runs, 300 s),
 # FASTKDA_BENCH_TIMEOUT (300 s), FASTKDA_BENCH_ARGS (extra bench_ops.py args), FASTKDA_CACHE_IN,
 # FASTKDA_CACHE_MAX_MB, FASTKDA_WARM (1), FASTKDA_WARM_CASES (comma-separated words: warm only
-# the cases whose name holds one, as bench_ops.py --cases), FASTKDA_WARM_TIMEOUT (300 s).
+# the cases whose name holds one, as bench_ops.py --cases), FASTKDA_WARM_TIMEOUT (300 s),
+# FASTKDA_TEST_SHARD (i/n: the i-th of n disjoint shards of the tests selected, tests/conftest.py).
 set -uo pipefail
 out=${1:?output directory}
 mkdir -p "$out" && out=$(cd "$out" && pwd)

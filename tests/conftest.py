@@ -1,9 +1,11 @@
 """Test tiers: CPU (default; Triton kernels under TRITON_INTERPRET=1 on CPU tensors) and GPU
-(the same tests at larger shapes, plus tests marked ``gpu``)."""
+(the same tests at larger shapes, plus tests marked ``gpu``). FASTKDA_TEST_SHARD=i/n runs the i-th
+of n disjoint shards of whatever is selected (a tier split over several time-limited runs)."""
 
 import contextlib
 import os
 import sys
+import zlib
 
 import torch
 
@@ -60,11 +62,28 @@ def pytest_runtest_logreport(report):
             f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
 
 
+def shard_of(spec: str) -> tuple[int, int]:
+    """FASTKDA_TEST_SHARD's "i/n" as (i, n), 1 <= i <= n; anything else is a usage error."""
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        i = n = 0
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"FASTKDA_TEST_SHARD must be i/n with 1 <= i <= n, got {spec!r}")
+    return i, n
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="GPU tier: needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords and not GPU:
             item.add_marker(skip_gpu)
+    spec = os.environ.get("FASTKDA_TEST_SHARD")
+    if spec:  # shard i of n: the tests whose id hashes to i - 1 modulo n (the same split on every machine)
+        i, n = shard_of(spec)
+        keep = [it for it in items if zlib.crc32(it.nodeid.encode()) % n == i - 1]
+        config.hook.pytest_deselected(items=[it for it in items if zlib.crc32(it.nodeid.encode()) % n != i - 1])
+        items[:] = keep
 
 
 @pytest.fixture(autouse=True)
