@@ -81,8 +81,10 @@ def pytest_collection_modifyitems(config, items):
     spec = os.environ.get("FASTKDA_TEST_SHARD")
     if spec:  # shard i of n: the tests whose id hashes to i - 1 modulo n (the same split on every machine)
         i, n = shard_of(spec)
-        keep = [it for it in items if zlib.crc32(it.nodeid.encode()) % n == i - 1]
-        config.hook.pytest_deselected(items=[it for it in items if zlib.crc32(it.nodeid.encode()) % n != i - 1])
+        keep, drop = [], []
+        for it in items:
+            (keep if zlib.crc32(it.nodeid.encode()) % n == i - 1 else drop).append(it)
+        config.hook.pytest_deselected(items=drop)
         items[:] = keep
 
 
