@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import chunk_program
-from .tiles import block_lower, block_sums, cum_gates, load_beta, load_tile, prod, state_ptrs, store_tile
+from .tiles import block_lower, block_sums, cum_gates, load_beta, load_tile, prod, state_ptrs, store_tile, tile_ptr
 
 
 @triton.jit
@@ -141,7 +141,7 @@ def kda_bwd_k_kernel(
         for s in range(0, BK, BS):
             o_d = s + tl.arange(0, BS)
             # rows of earlier blocks already hold dkg: X is zero there, so they are not read
-            b_dwC = tl.load(s_dw + (bos + t0 + o_c).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :],
+            b_dwC = tl.load(tile_ptr(s_dw, bos + t0, i_hv, HV, K, o_c, o_d),
                             mask=((o_c >= 16 * r) & (t0 + o_c < T_seq))[:, None] & (o_d < K)[None, :], other=0.0)
             b_bw = prod(tl.trans(b_Xc), b_dwC, PREC)  # [16, BS]
             b_G = cum_gates(gc, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)

@@ -47,21 +47,24 @@ def row_of(x, o_r, r):
 
 
 @triton.jit
+def tile_ptr(x, row0, i_head, NH: tl.constexpr, D: tl.constexpr, o_i, o_d):
+    """Pointers to rows row0 + o_i of x [.., NH, D] at head i_head, columns o_d: the first row's
+    offset in int64, the tile's own offsets from it in int32 (o_i are rows within a chunk)."""
+    return x + (row0.to(tl.int64) * NH + i_head) * D + (o_i[:, None] * (NH * D) + o_d[None, :])
+
+
+@triton.jit
 def load_tile(x, bos, t0, T_seq, i_head, NH: tl.constexpr, D: tl.constexpr, o_i, o_d):
     """Rows t0 + o_i of x [.., NH, D] at head i_head, columns o_d, as float32 (0 outside)."""
-    o_t = t0 + o_i
-    m = (o_t < T_seq)[:, None] & (o_d < D)[None, :]
-    p = x + (bos + o_t).to(tl.int64)[:, None] * (NH * D) + i_head * D + o_d[None, :]
-    return tl.load(p, mask=m, other=0.0).to(tl.float32)
+    m = ((t0 + o_i) < T_seq)[:, None] & (o_d < D)[None, :]
+    return tl.load(tile_ptr(x, bos + t0, i_head, NH, D, o_i, o_d), mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def store_tile(x, b_x, bos, t0, T_seq, i_head, NH: tl.constexpr, D: tl.constexpr, o_i, o_d):
     """Store a tile at rows t0 + o_i of x [.., NH, D] (rows past the sequence end skipped)."""
-    o_t = t0 + o_i
-    m = (o_t < T_seq)[:, None] & (o_d < D)[None, :]
-    p = x + (bos + o_t).to(tl.int64)[:, None] * (NH * D) + i_head * D + o_d[None, :]
-    tl.store(p, b_x.to(x.dtype.element_ty), mask=m)
+    m = ((t0 + o_i) < T_seq)[:, None] & (o_d < D)[None, :]
+    tl.store(tile_ptr(x, bos + t0, i_head, NH, D, o_i, o_d), b_x.to(x.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -69,9 +72,8 @@ def cum_gates(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_i, 
     """Cumulative gates stored in gc at rows t0 + o_i (block-local in the block path, from the chunk
     start in the whole-chunk path): a padding row repeats the last token's (its gate is 0); all 0
     when t0 is past the end (a block of padding only)."""
-    o_t = tl.minimum(t0 + o_i, T_seq - 1)
-    p = gc + (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :]
-    b_c = tl.load(p, mask=(o_d < K)[None, :], other=0.0)
+    o_t = tl.minimum(o_i, T_seq - 1 - t0)  # rows from t0
+    b_c = tl.load(tile_ptr(gc, bos + t0, i_hv, HV, K, o_t, o_d), mask=(o_d < K)[None, :], other=0.0)
     return tl.where(t0 < T_seq, b_c, 0.0)
 
 
@@ -89,9 +91,8 @@ def gates_after(ga, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_i
     which loses precision for large gates)   [rows, BS]."""
     R: tl.constexpr = o_i.shape[0]
     BS: tl.constexpr = o_d.shape[0]
-    o_t = t0 + 1 + o_i
-    m = ((o_i % 16 < 15) & (o_t < T_seq))[:, None] & (o_d < K)[None, :]
-    b_g = tl.load(ga + (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :], mask=m, other=0.0)
+    m = ((o_i % 16 < 15) & (t0 + 1 + o_i < T_seq))[:, None] & (o_d < K)[None, :]
+    b_g = tl.load(tile_ptr(ga, bos + t0 + 1, i_hv, HV, K, o_i, o_d), mask=m, other=0.0)
     if R == 16:
         return tl.cumsum(b_g, 0, reverse=True)
     return tl.reshape(tl.cumsum(tl.reshape(b_g, [R // 16, 16, BS]), 1, reverse=True), [R, BS])

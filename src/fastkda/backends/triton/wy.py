@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .common import chunk_program
 from .tiles import (block_lower, block_sums, block_sum, cum_gates, cum_gates_last, gates_after, inv_unit_lower,
-                    load_beta, load_block, load_tile, prod, store_block, store_tile)
+                    load_beta, load_block, load_tile, prod, store_block, store_tile, tile_ptr)
 
 
 @triton.jit
@@ -98,9 +98,9 @@ def kda_fwd_inverse_kernel(
 def _cum_gates_lo_where(gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_i, o_d, m_x):
     """The rounding errors gd (float16) at rows t0 + o_i as tiles.cum_gates_lo, where the scalar m_x holds (the
     chunk has them), else zeros (masked loads)."""
-    o_t = tl.minimum(t0 + o_i, T_seq - 1)
-    p = gd + (bos + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_d[None, :]
-    return tl.load(p, mask=(o_d < K)[None, :] & m_x, other=0.0).to(tl.float32)
+    o_t = tl.minimum(o_i, T_seq - 1 - t0)  # rows from t0
+    b_x = tl.load(tile_ptr(gd, bos + t0, i_hv, HV, K, o_t, o_d), mask=(o_d < K)[None, :] & m_x, other=0.0)
+    return b_x.to(tl.float32)
 
 
 @triton.jit
