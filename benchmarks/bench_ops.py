@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -31,15 +32,33 @@ from _report import environment, write_section  # noqa: E402
 # ---------------------------------------------------------------------------------------------
 # cases
 
+class Case(NamedTuple):
+    """A benchmark case: B sequences of T tokens (or the lengths ``seqlens``), H heads, K = V."""
+    name: str
+    B: int
+    T: int | None
+    H: int
+    seqlens: list[int] | None
+    gate: str
+    K: int = 128
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.seqlens) if self.seqlens else self.T
+
+    def inputs(self, gate: str | None = None, **kw):
+        """make()'s inputs of this case (another ``gate`` if given; make's keywords)."""
+        return make(self.B, self.T, self.H, self.seqlens, gate or self.gate, K=self.K, V=self.K, **kw)
+
+
 FORWARD = [
-    # name, B, T, H, seqlens, gate
-    ("B1 T8192 H64", 1, 8192, 64, None, "safe"),
-    ("B1 T8192 H96", 1, 8192, 96, None, "safe"),
-    ("varlen 6 seqs H96", 1, None, 96, [1300, 547, 2048, 963, 271, 3063], "safe"),
-    ("B2 T8192 H64", 2, 8192, 64, None, "safe"),
-    ("B1 T32768 H16", 1, 32768, 16, None, "safe"),
-    ("B1 T8192 H64 softplus", 1, 8192, 64, None, "softplus"),
-    ("B1 T8192 H64 softplus init", 1, 8192, 64, None, "softplus init"),
+    Case("B1 T8192 H64", 1, 8192, 64, None, "safe"),
+    Case("B1 T8192 H96", 1, 8192, 96, None, "safe"),
+    Case("varlen 6 seqs H96", 1, None, 96, [1300, 547, 2048, 963, 271, 3063], "safe"),
+    Case("B2 T8192 H64", 2, 8192, 64, None, "safe"),
+    Case("B1 T32768 H16", 1, 32768, 16, None, "safe"),
+    Case("B1 T8192 H64 softplus", 1, 8192, 64, None, "softplus"),
+    Case("B1 T8192 H64 softplus init", 1, 8192, 64, None, "softplus init"),
 ]
 
 
@@ -199,9 +218,9 @@ def bench_forward(cases, with_error=True, done=None):
 
     rows = []
     impls = _impls()
-    for name, B, T, H, seqlens, gate in cases:
-        x, kw = make(B, T, H, seqlens, gate)
-        row = {"case": name, "gate": gate, "B": B, "T": sum(seqlens) if seqlens else T, "H": H}
+    for case in cases:
+        x, kw = case.inputs()
+        row = {"case": case.name, "gate": case.gate, "B": case.B, "T": case.tokens, "H": case.H}
         ref = _reference(x, kw) if with_error else None
         for lib, fn in impls.items():
             if lib == "flashkda" and not flashkda_takes(x, kw):
@@ -215,7 +234,8 @@ def bench_forward(cases, with_error=True, done=None):
                 err = rel_rms(o[ref[1]], ref[0]) if ref else float("nan")
             row[lib] = {"ms": ms, "first_s": first, "peak_gib": peak, "err": err,
                         "gbps": io_bytes(x, o.numel()) / ms / 1e6}
-            print(f"{name:28s} {lib:8s} {ms:8.3f} ms  first {first:6.1f} s  peak +{peak:5.2f} GiB  err {err:.2e}", flush=True)
+            print(f"{case.name:28s} {lib:8s} {ms:8.3f} ms  first {first:6.1f} s  peak +{peak:5.2f} GiB  "
+                  f"err {err:.2e}", flush=True)
         rows.append(row)
         if done is not None:
             done(rows)
@@ -239,9 +259,8 @@ def cold_first_call(lib: str, case: str) -> float:
 
 def _cold_one(lib: str, case: str):
     """(in the child process of ``cold_first_call``) print the first call's seconds."""
-    _, B, T, H, seqlens, gate = next(c for c in FORWARD if c[0] == case)
     fn = _impls()[lib]
-    x, kw = make(B, T, H, seqlens, gate)
+    x, kw = case_named(case, "forward").inputs()
     with torch.inference_mode():
         _, seconds = timed_once(lambda: fn(**x, **kw))
     print(f"{seconds:.3f}")
@@ -272,8 +291,7 @@ def breakdown(name="B1 T8192 H64"):
     from fastkda.backends.triton.plan import tuned
     from fastkda.options import chunk_options
 
-    _, B, T, H, seqlens, gate = next(c for c in FORWARD if c[0] == name)
-    x, kw = make(B, T, H, seqlens, gate)
+    x, kw = case_named(name, "forward").inputs()
     call = dict(scale=None, initial_state=None, output_final_state=False, disable_recompute=False,
                 return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
                 cp_context=None, chunk_size=64, allow_neg_eigval=False, **kw)
@@ -330,14 +348,23 @@ def breakdown(name="B1 T8192 H64"):
 
 
 BACKWARD = [
-    # name, B, T, H, K (= V), gate, seqlens (None: B sequences of T tokens)
-    *[(f"B1 T8192 H{h} {gate}", 1, 8192, h, 128, gate, None) for h in (64, 96) for gate in ("safe", "softplus")],
-    ("B1 T8192 H64 softplus init", 1, 8192, 64, 128, "softplus init", None),
-    *[(f"B4 T4096 H32 {gate}", 4, 4096, 32, 128, gate, None) for gate in ("safe", "softplus")],
-    *[(f"varlen 6 seqs H64 {gate}", 1, None, 64, 128, gate, [1300, 547, 2048, 963, 271, 3063])
+    *[Case(f"B1 T8192 H{h} {gate}", 1, 8192, h, None, gate) for h in (64, 96) for gate in ("safe", "softplus")],
+    Case("B1 T8192 H64 softplus init", 1, 8192, 64, None, "softplus init"),
+    *[Case(f"B4 T4096 H32 {gate}", 4, 4096, 32, None, gate) for gate in ("safe", "softplus")],
+    *[Case(f"varlen 6 seqs H64 {gate}", 1, None, 64, [1300, 547, 2048, 963, 271, 3063], gate)
       for gate in ("safe", "softplus init")],
-    *[(f"B8 T2048 H16 K64 {gate}", 8, 2048, 16, 64, gate, None) for gate in ("safe", "softplus")],
+    *[Case(f"B8 T2048 H16 K64 {gate}", 8, 2048, 16, None, gate, K=64) for gate in ("safe", "softplus")],
 ]
+
+
+def case_named(name: str, suite: str | None = None) -> Case:
+    """The case of FORWARD (suite "forward"), BACKWARD ("backward") or either called ``name``."""
+    lists = {"forward": FORWARD, "backward": BACKWARD}
+    cases = [c for k, cs in lists.items() if suite in (None, k) for c in cs]
+    for c in cases:
+        if c.name == name:
+            return c
+    raise SystemExit(f"no {suite or 'benchmark'} case {name!r}; cases: {', '.join(c.name for c in cases)}")
 
 
 def bench_backward(cases, done=None):
@@ -348,11 +375,11 @@ def bench_backward(cases, done=None):
 
     rows = []
     impls = _impls()
-    for name, B, T, H, K, gate, seqlens in cases:
-        x, kw = make(B, T, H, seqlens, gate, K=K, V=K, grad=True)
+    for case in cases:
+        x, kw = case.inputs(grad=True)
         leaves = [*x.values(), kw["A_log"], kw["dt_bias"]]
         do = torch.randn_like(x["v"])
-        row = {"case": name, "gate": gate, "B": B, "T": sum(seqlens) if seqlens else T, "H": H, "K": K}
+        row = {"case": case.name, "gate": case.gate, "B": case.B, "T": case.tokens, "H": case.H, "K": case.K}
         for lib, fn in impls.items():
             def step():
                 o, _ = fn(**x, **kw)
@@ -369,7 +396,7 @@ def bench_backward(cases, done=None):
                                return_mode="median")
             del o
             row[lib] = {"ms_fwd_bwd": ms_fb, "ms_bwd": ms_b, "first_s": first, "peak_gib": peak}
-            print(f"{name:28s} {lib:8s} fwd+bwd {ms_fb:8.3f} ms  bwd {ms_b:8.3f} ms  first {first:6.1f} s  "
+            print(f"{case.name:28s} {lib:8s} fwd+bwd {ms_fb:8.3f} ms  bwd {ms_b:8.3f} ms  first {first:6.1f} s  "
                   f"peak +{peak:5.2f} GiB", flush=True)
         rows.append(row)
         if done:
@@ -570,7 +597,7 @@ def run(args):
             res["flashkda_version"] = "?"
     res["triton"] = triton.__version__
     print(f"copy bandwidth {res['copy_tbps']:.2f} TB/s")
-    pick = (lambda cases: [c for c in cases if any(w in c[0] for w in args.cases)]) if args.cases else (lambda c: c)
+    pick = (lambda cases: [c for c in cases if any(w in c.name for w in args.cases)]) if args.cases else (lambda c: c)
 
     def save(key, rows):
         res["suites"][key] = rows
@@ -578,7 +605,7 @@ def run(args):
             json.dump(res, f, indent=1)
 
     suites = {"stages": ("forward_stages", lambda: [r for c in (pick(FORWARD) if args.cases else FORWARD[:1])
-                                                    for r in breakdown(c[0])]),
+                                                    for r in breakdown(c.name)]),
               "forward": ("forward", lambda: bench_forward(pick(FORWARD), not args.no_error,
                                                            lambda rows: save("forward", rows))),
               "backward": ("backward", lambda: bench_backward(pick(BACKWARD), lambda rows: save("backward", rows))),

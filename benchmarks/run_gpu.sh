@@ -97,8 +97,8 @@ sys.path.insert(0, "benchmarks")
 import bench_ops
 words = [w for w in sys.argv[2].split(",") if w]
 for c in bench_ops.FORWARD if sys.argv[1] == "forward" else bench_ops.BACKWARD:
-    if not words or any(w in c[0] for w in words):
-        print(c[0])
+    if not words or any(w in c.name for w in words):
+        print(c.name)
 PY
 )
     done

@@ -19,21 +19,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("FASTKDA_BACKEND", "triton")
-from bench_ops import BACKWARD, FORWARD, _impls, make  # noqa: E402
+from bench_ops import _impls, case_named  # noqa: E402
 
 
 def warm(lib: str, suite: str, case: str) -> float:
     """Seconds of one call (forward, or forward and backward) of ``lib`` on ``case``."""
     fn = _impls()[lib]
     t0 = time.perf_counter()
+    c = case_named(case, suite)
     if suite == "forward":
-        _, B, T, H, seqlens, gate = next(c for c in FORWARD if c[0] == case)
-        x, kw = make(B, T, H, seqlens, gate)
+        x, kw = c.inputs()
         with torch.inference_mode():
             fn(**x, **kw)
     else:
-        _, B, T, H, K, gate, seqlens = next(c for c in BACKWARD if c[0] == case)
-        x, kw = make(B, T, H, seqlens, gate, K=K, V=K, grad=True)
+        x, kw = c.inputs(grad=True)
         o, _ = fn(**x, **kw)
         torch.autograd.grad(o, [*x.values(), kw["A_log"], kw["dt_bias"]], torch.randn_like(o))
     torch.cuda.synchronize()
@@ -44,10 +43,8 @@ def main():
     if len(sys.argv) != 4 or sys.argv[2] not in ("forward", "backward"):
         raise SystemExit("usage: warm.py LIB {forward|backward} \"case1,case2\"")
     lib, suite, cases = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
-    names = [c[0] for c in (FORWARD if suite == "forward" else BACKWARD)]
     for case in cases:
-        if case not in names:
-            raise SystemExit(f"no {suite} case {case!r}; cases: {', '.join(names)}")
+        case_named(case, suite)  # exits naming the cases if there is none of that name
         print(f"warm {lib} {suite} {case}: {warm(lib, suite, case):.1f} s", flush=True)
 
 

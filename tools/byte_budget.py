@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from bench_ops import BACKWARD, FORWARD, make  # noqa: E402
+from bench_ops import case_named  # noqa: E402
 
 
 def _when(flag: bool, *names: str) -> list[str]:
@@ -117,16 +117,7 @@ def launches(case: str, gate: str | None, backward: bool, sm_count: int):
     from fastkda.backends.triton.common import recorded_launches
     from fastkda.backends.triton.plan import tuned
 
-    forward = {c[0]: c for c in FORWARD}
-    training = {c[0]: c for c in BACKWARD}
-    if case in forward:
-        _, B, T, H, seqlens, case_gate = forward[case]
-        K = 128
-    elif case in training:
-        _, B, T, H, K, case_gate, seqlens = training[case]
-    else:
-        raise SystemExit(f"--case {case!r}: one of {sorted({*forward, *training})}")
-    x, kw = make(B, T, H, seqlens, gate or case_gate, K=K, V=K, device="cpu", grad=backward)
+    x, kw = case_named(case).inputs(gate, device="cpu", grad=backward)
     with tuned(sm_count=sm_count), recorded_launches(run=False) as log:
         o, _ = fastkda.chunk_kda(**x, **kw)
         if backward:

@@ -48,12 +48,11 @@ def step(case: str, gate: str | None, backward: bool):
     import torch
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from bench_ops import FORWARD, make
+    from bench_ops import case_named
 
     import fastkda
 
-    _, B, T, H, seqlens, case_gate = next(c for c in FORWARD if c[0] == case)
-    x, kw = make(B, T, H, seqlens, gate or case_gate, grad=backward)
+    x, kw = case_named(case).inputs(gate, grad=backward)
     leaves = [*x.values(), kw["A_log"], kw["dt_bias"]]
     do = torch.randn_like(x["v"])
 

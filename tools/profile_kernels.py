@@ -13,7 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from bench_ops import FORWARD, _impls, make  # noqa: E402
+from bench_ops import _impls, case_named  # noqa: E402
 
 
 def kernel_times(fn, reps=5) -> dict:
@@ -46,11 +46,11 @@ def main():
     ap.add_argument("--libs", default=None, help="comma list of the libraries to profile (default: all found)")
     a = ap.parse_args()
     os.environ.setdefault("FASTKDA_BACKEND", "triton")
-    _, B, T, H, seqlens, gate = next(c for c in FORWARD if c[0] == a.case)
+    case = case_named(a.case)
     for lib, fn in _impls().items():
         if a.libs and lib not in a.libs.split(","):
             continue
-        x, kw = make(B, T, H, seqlens, a.gate or gate, grad=a.backward)
+        x, kw = case.inputs(a.gate, grad=a.backward)
         print(f"{lib}: forward, {a.case}")
         with torch.inference_mode():
             report(lambda: fn(**x, **kw))

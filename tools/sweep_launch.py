@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from bench_ops import FORWARD, make  # noqa: E402
+from bench_ops import case_named  # noqa: E402
 from profile_kernels import kernel_times  # noqa: E402
 
 CONFIGS = [(2, None), (4, None), (8, None), (2, 128), (4, 128), (8, 128), (4, 96), (8, 96)]
@@ -45,8 +45,7 @@ def tuning(cfg, sets):
 def step(case, gate):
     import fastkda
 
-    _, B, T, H, seqlens, _ = next(c for c in FORWARD if c[0] == case)
-    x, kw = make(B, T, H, seqlens, gate, grad=True)
+    x, kw = case_named(case).inputs(gate, grad=True)
     leaves = [*x.values(), kw["A_log"], kw["dt_bias"]]
     do = torch.randn_like(x["v"])
     return lambda: torch.autograd.grad(fastkda.chunk_kda(**x, **kw)[0], leaves, do)

@@ -24,7 +24,7 @@ import triton.testing as tt
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_ops import BACKWARD, FORWARD, _reference, make  # noqa: E402
+from bench_ops import _reference, case_named, make  # noqa: E402
 from profile_kernels import kernel_times  # noqa: E402
 
 
@@ -38,14 +38,9 @@ def tuning(settings: dict):
 
 
 def case_shape(case: str) -> dict:
-    """make()'s arguments of a case of bench_ops.FORWARD or, by its name, of BACKWARD (K = V)."""
-    for name, B, T, H, seqlens, gate in FORWARD:
-        if name == case:
-            return dict(B=B, T=T, H=H, seqlens=seqlens, gate=gate)
-    for name, B, T, H, K, gate, seqlens in BACKWARD:
-        if name == case:
-            return dict(B=B, T=T, H=H, seqlens=seqlens, gate=gate, K=K, V=K)
-    raise SystemExit(f"no case {case!r} in bench_ops.FORWARD or BACKWARD")
+    """make()'s arguments of the case of bench_ops.FORWARD or BACKWARD called ``case``."""
+    c = case_named(case)
+    return dict(B=c.B, T=c.T, H=c.H, seqlens=c.seqlens, gate=c.gate, K=c.K, V=c.K)
 
 
 def main():
