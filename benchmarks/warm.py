@@ -24,9 +24,9 @@ from bench_ops import _impls, case_named  # noqa: E402
 
 def warm(lib: str, suite: str, case: str) -> float:
     """Seconds of one call (forward, or forward and backward) of ``lib`` on ``case``."""
+    c = case_named(case, suite)  # exits naming the cases if there is none of that name
     fn = _impls()[lib]
     t0 = time.perf_counter()
-    c = case_named(case, suite)
     if suite == "forward":
         x, kw = c.inputs()
         with torch.inference_mode():
@@ -44,7 +44,6 @@ def main():
         raise SystemExit("usage: warm.py LIB {forward|backward} \"case1,case2\"")
     lib, suite, cases = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
     for case in cases:
-        case_named(case, suite)  # exits naming the cases if there is none of that name
         print(f"warm {lib} {suite} {case}: {warm(lib, suite, case):.1f} s", flush=True)
 
 

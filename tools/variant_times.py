@@ -24,7 +24,7 @@ import triton.testing as tt
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_ops import _reference, case_named, make  # noqa: E402
+from bench_ops import _reference, case_named  # noqa: E402
 from profile_kernels import kernel_times  # noqa: E402
 
 
@@ -35,12 +35,6 @@ def tuning(settings: dict):
     launches = {n for n, f in Tuning.__dataclass_fields__.items() if f.default.__class__ is Launch}
     return tuned(**{k: Launch(*v) if k in launches else tuple(v) if isinstance(v, list) else v
                     for k, v in settings.items()})
-
-
-def case_shape(case: str) -> dict:
-    """make()'s arguments of the case of bench_ops.FORWARD or BACKWARD called ``case``."""
-    c = case_named(case)
-    return dict(B=c.B, T=c.T, H=c.H, seqlens=c.seqlens, gate=c.gate, K=c.K, V=c.K)
 
 
 def main():
@@ -57,10 +51,10 @@ def main():
 
     variants = json.loads(os.environ.get("VARIANTS", '{"as is": {}}'))
     for case in a.cases:
-        shape = case_shape(case)
-        x, kw = make(**shape)
+        c = case_named(case)
+        x, kw = c.inputs()
         if a.train:
-            xg, kwg = make(**shape, grad=True)
+            xg, kwg = c.inputs(grad=True)
             leaves = [*xg.values(), kwg["A_log"], kwg["dt_bias"]]
             do = torch.randn_like(xg["v"])
         fwd = {n: [] for n in variants}
