@@ -68,8 +68,7 @@ def _term_magnitudes(g, A, b, lb, dy, p):
     gate element depends on one entry of A_log and one of dt_bias, so the derivative along all-ones
     (J 1, by the double-vjp identity) gives every element's own dy_e/dp."""
     t = p.detach().double().requires_grad_()
-    other = {id(A): None if A is None else A.detach(), id(b): None if b is None else b.detach(), id(p): t}
-    y = _ref(g.detach(), other[id(A)], other[id(b)], lb)
+    y = _ref(g.detach(), *(t if q is p else (None if q is None else q.detach()) for q in (A, b)), lb)
     u = torch.zeros_like(y, requires_grad=True)
     (vjp,) = torch.autograd.grad(y, t, u, create_graph=True)
     (dy_dp,) = torch.autograd.grad(vjp, u, torch.ones_like(vjp))
