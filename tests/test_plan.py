@@ -301,6 +301,18 @@ def test_backward_precisions():
     assert plan_for(soft, train=False).backward is None
 
 
+def test_dg_launch_by_gate():
+    """The dg pass launches by the gate's activation: the softplus derivative at its own launch, the
+    others (lower bound, pregated) at the capped one; wide features at least 4 warps, no cap."""
+    t = P.Tuning()
+    for gate, want in ((GateMode.SOFTPLUS, t.bwd_dg_softplus), (GateMode.LOWER_BOUND, t.bwd_dg),
+                       (GateMode.PREGATED, t.bwd_dg)):
+        assert plan_for(opts_for(1, 256, 2, gate=gate), train=True).backward.dg == want
+    assert t.bwd_dg != t.bwd_dg_softplus
+    wide = plan_for(opts_for(1, 256, 2, K=256, gate=GateMode.LOWER_BOUND), train=True).backward.dg
+    assert wide == P.Launch(max(t.bwd_dg.warps, 4), t.bwd_dg.stages, None)
+
+
 def test_plan_is_pure_and_cached():
     """Same inputs, the same plan object; a tuning change, a different plan."""
     opts = opts_for(1, 1024, 4)

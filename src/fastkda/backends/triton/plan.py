@@ -127,11 +127,12 @@ class Tuning:
     bwd_scan_stages: int = 3
     bwd_state: Launch = Launch(4)
     bwd_v: Launch = Launch(4)
-    bwd_k: Launch = Launch(2, 1, 168)
+    bwd_k: Launch = Launch(1)
     bwd_gate: Launch = Launch(2, 1, 128)
     bwd_gate_block: Launch = Launch(1)
     bwd_gate_block_levels: Launch = Launch(2)  # the split's second pass
-    bwd_dg: Launch = Launch(4)
+    bwd_dg: Launch = Launch(2, 1, 168)
+    bwd_dg_softplus: Launch = Launch(4)  # the softplus derivative's tiles spill at the cap above
     bwd_state_slice: int = 32
     bwd_gate_block_slice: int = 32
     bwd_dg_slice: int = 64
@@ -677,7 +678,8 @@ def _backward(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, dev: Device,
         whole=s1.whole,
         pair_prec=(PAIR_PREC if opts.safe_gate else PAIR_PREC_UNBOUNDED)[dtype],
         gate_block_bs=min(tuning.bwd_gate_block_slice, BK),
-        dg_bs=min(tuning.bwd_dg_slice, BK), dg=_wide(tuning.bwd_dg, BK, BV),
+        dg_bs=min(tuning.bwd_dg_slice, BK),
+        dg=_wide(tuning.bwd_dg_softplus if opts.gate == GateMode.SOFTPLUS else tuning.bwd_dg, BK, BV),
         exact_pairs=exact, diag_prec=dot.prec if exact else "tf32x3", gate=_wide(tuning.bwd_gate, BK, BV),
         qk_rows=tuning.bwd_qk_rows, qk=tuning.bwd_qk)
 
