@@ -410,7 +410,8 @@ DECODE_POOLS = (torch.float32, torch.bfloat16)
 # decode launches timed at N=256, H=32, K=V=128: (value columns, warps, stages, programs per SM);
 # 10**6 programs per SM: one program per tile
 DECODE_LAUNCH = [(64, 2, 1, 32), (64, 4, 1, 32), (64, 2, 1, 10**6), (32, 1, 1, 16), (32, 1, 1, 10**6), (64, 2, 2, 4),
-                 (64, 2, 2, 32), (32, 1, 2, 16)]
+                 (64, 2, 2, 32), (32, 1, 2, 16), (64, 2, 3, 2), (64, 2, 3, 4), (32, 1, 3, 8), (128, 4, 1, 16),
+                 (128, 8, 1, 8)]
 DECODE_ERROR_STEPS = 64
 HOST_ROUNDS, HOST_CALLS = 7, 1000  # host time per eager decode call: rounds of back-to-back calls
 
