@@ -1,6 +1,7 @@
 """use_graph: varlen chunk_kda whose boundaries are never read back (chunk tables built on the
 device in sizes fixed by the shapes), padded with empty sequences and ending before T."""
 
+import numpy as np
 import pytest
 import torch
 from conftest import BACKENDS, BACKWARD_BACKENDS, DEVICE, GPU
@@ -168,6 +169,14 @@ def test_graph_mode_arguments(rng):
         chunk_kda(**x, use_graph=True, max_num_seqs=-1)
     with pytest.raises(TypeError, match="use_graph"):
         chunk_kda(**x, use_graph=1)
+    with pytest.raises(TypeError, match=r"`cu_seqlens_cpu` must be a torch.Tensor, got list"):
+        chunk_kda(**x, use_graph=True, cu_seqlens_cpu=[0, 5, 9])  # checked as a host copy, then not used
+    with pytest.raises(ValueError, match=r"`cu_seqlens_cpu` must be a CPU int tensor shaped like cu_seqlens \[3\]"):
+        chunk_kda(**x, use_graph=True, cu_seqlens_cpu=torch.tensor([0, 9]))
+    with pytest.raises(ValueError, match=r"`max_num_seqs` must be None or a non-negative int, got 2\.0"):
+        chunk_kda(**x, use_graph=True, max_num_seqs=2.0)
+    with pytest.raises(ValueError, match=r"hold max_num_seqs \+ 1 = 4 entries"):
+        chunk_kda(**x, use_graph=True, max_num_seqs=np.int64(3))  # NumPy's ints are ints
     dense = make_inputs(Case(T=20), device=DEVICE, generator=rng)
     o1, _ = chunk_kda(**dense)
     o2, _ = chunk_kda(**dense, use_graph=True, max_num_seqs=7)

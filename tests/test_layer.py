@@ -263,7 +263,8 @@ def test_causal_conv1d_package_matches_torch(rng):
     (dict(conv_size=-1), ValueError, r"`conv_size` must be a non-negative int \(0: no convolution\), got -1"),
     (dict(conv_size=2.0), ValueError, r"`conv_size` must be a non-negative int .*got 2\.0"),
     (dict(chunk_size=16), ValueError, r"`chunk_size` must be either 32 or 64, got 16"),
-    (dict(lower_bound=0.0), ValueError, r"`lower_bound` must be None or a finite negative number, got 0\.0"),
+    (dict(lower_bound=0.0), ValueError,
+     r"`lower_bound` must be a finite negative number \(.*float32's range\), got 0\.0"),
     (dict(lower_bound=-6.0, safe_gate=True), ValueError, r"`safe_gate=True` needs `lower_bound` in \[-5, 0\), got lower_bound=-6\.0"),
     (dict(safe_gate=True), ValueError, r"`safe_gate=True` needs `lower_bound` in \[-5, 0\), got lower_bound=None"),
     (dict(lower_bound="x"), TypeError, r"`lower_bound` must be a real number or None, got str"),
@@ -333,3 +334,38 @@ def test_varlen_with_host_boundaries(mode, rng):
         assert all(torch.equal(a, b) for a, b in zip(cache.conv_states[k], want_cache.conv_states[k]))
     with pytest.raises(ValueError, match=r"`cu_seqlens_cpu` was given without `cu_seqlens`"):
         m(x, cu_seqlens_cpu=cu_cpu)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+@pytest.mark.parametrize("bad,exc,match", [
+    (dict(cu_seqlens=[0, 2, 5]), TypeError, r"`cu_seqlens` must be a torch.Tensor, got list"),
+    (dict(cu_seqlens=torch.tensor([[0, 2, 5]])), ValueError,
+     r"`cu_seqlens` must be a 1-D tensor \[N\+1\], got shape \[1, 3\]"),
+    (dict(cu_seqlens=torch.tensor([0, 2, 4])), ValueError, r"`cu_seqlens` must end at the total length T=5, got 4"),
+    (dict(cu_seqlens=torch.tensor([0, 2, 5]), cu_seqlens_cpu=torch.tensor([0, 3, 5])), ValueError,
+     r"`cu_seqlens` and `cu_seqlens_cpu` must hold the same values, got cu_seqlens\[1\]=2 and cu_seqlens_cpu\[1\]=3"),
+    (dict(cu_seqlens=torch.tensor([0, 2, 5]), cu_seqlens_cpu=torch.tensor([0.0, 2.0, 5.0])), ValueError,
+     r"`cu_seqlens_cpu` must be a CPU int tensor shaped like cu_seqlens \[3\]"),
+    (dict(x=torch.randn(2, 5, 64), cu_seqlens=torch.tensor([0, 2, 5])), ValueError,
+     r"`cu_seqlens` needs the batch flattened to 1 .*got batch size 2"),
+    (dict(x=torch.randn(1, 5, 63)), ValueError,
+     r"`hidden_states` must be a floating \[batch, seq_len, hidden_size=64\] tensor, got shape \[1, 5, 63\]"),
+    (dict(x=torch.ones(1, 5, 64, dtype=torch.int64)), ValueError, r"`hidden_states` must be a floating .*torch.int64"),
+    (dict(use_cache="no"), TypeError, r"`use_cache` must be a bool or None, got str: 'no'"),
+])
+def test_forward_argument_rules(mode, bad, exc, match):
+    """Bad boundaries, inputs and flags: a ValueError or TypeError naming the argument, raised before
+    the convolution or the cache is touched (a CPU cu_seqlens and its host copy are compared, also on
+    the token-by-token path, whose operator takes no host copy)."""
+    bad = dict(bad)  # (shared by both modes' parameter sets)
+    if "cu_seqlens_cpu" in bad and "values" in match and DEVICE != "cpu":
+        pytest.skip("a host copy vouches for a device cu_seqlens: compared only with a CPU one")
+    m = layer(conv_size=4, mode=mode, force_mode=True).eval()
+    x = bad.pop("x", torch.randn(1, 5, 64)).to(DEVICE)
+    if isinstance(bad.get("cu_seqlens"), torch.Tensor):
+        bad["cu_seqlens"] = bad["cu_seqlens"].to(DEVICE)
+    cache = KDACache()
+    with torch.no_grad():
+        with pytest.raises(exc, match=match):
+            m(x, past_key_values=cache, use_cache=bad.pop("use_cache", True), **bad)
+    assert not cache.recurrent_states and not cache.conv_states

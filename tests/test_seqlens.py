@@ -72,19 +72,34 @@ def test_values_checked_every_call():
     ref = torch.zeros(1, device=DEVICE)
     cu = torch.tensor([0, 3, 7, 12], device=DEVICE)
     for _ in range(2):
-        n, host = options._cu_seqlens(cu, None, 1, 12, ref, True)
+        n, host = options.cu_seqlens_checked(cu, None, 1, 12, ref, True)
         assert n == 3 and host.tolist() == [0, 3, 7, 12]
     with pytest.raises(ValueError, match="end at the total length T=13, got 12"):
-        options._cu_seqlens(cu, None, 1, 13, ref, True)
+        options.cu_seqlens_checked(cu, None, 1, 13, ref, True)
     cu.data[3] = 13
     with pytest.raises(ValueError, match="end at the total length T=12, got 13"):
-        options._cu_seqlens(cu, None, 1, 12, ref, True)
+        options.cu_seqlens_checked(cu, None, 1, 12, ref, True)
     mine = torch.tensor([0, 3, 7, 13])
-    n, host = options._cu_seqlens(cu, mine, 1, 13, ref, True)
+    n, host = options.cu_seqlens_checked(cu, mine, 1, 13, ref, True)
     assert host.tolist() == [0, 3, 7, 13] and host is not mine  # a copy: the caller may write to its own
     with pytest.raises(ValueError, match="end at the total length T=14, got 13"):
-        options._cu_seqlens(cu, mine, 1, 14, ref, True)
-    assert options._cu_seqlens(cu, mine, 1, 14, ref, False) == (3, None)  # never read, never checked
+        options.cu_seqlens_checked(cu, mine, 1, 14, ref, True)
+    assert options.cu_seqlens_checked(cu, mine, 1, 14, ref, False) == (3, None)  # never read, never checked
+
+
+def test_values_checked_where_no_device_read():
+    """check_values=None (decoding, the layer): the values are checked where that needs no device
+    read: a CPU cu_seqlens, or its host copy cu_seqlens_cpu; a device cu_seqlens alone, shapes only."""
+    meta = torch.zeros(1, device="meta")
+    cu = torch.tensor([0, 3, 7], device="meta")  # off the CPU, without values
+    with seqlens.no_device_reads():
+        assert options.cu_seqlens_checked(cu, None, 1, 7, meta, None) == (2, None)
+        n, host = options.cu_seqlens_checked(cu, torch.tensor([0, 3, 7]), 1, 7, meta, None)
+        assert n == 2 and host.tolist() == [0, 3, 7]
+        with pytest.raises(ValueError, match="end at the total length T=8, got 7"):
+            options.cu_seqlens_checked(cu, torch.tensor([0, 3, 7]), 1, 8, meta, None)
+    with pytest.raises(ValueError, match="non-decreasing, got 4 then 3 at index 2"):
+        options.cu_seqlens_checked(torch.tensor([0, 4, 3, 7]), None, 1, 7, torch.zeros(1), None)
 
 
 def test_no_device_reads():
@@ -216,7 +231,7 @@ def test_threads_share_the_derived_cache():
             for r in range(1000):
                 n = 1 + (i * 7 + r) % 40
                 cu = torch.tensor([0, n, n + i + 1])
-                N, host = options._cu_seqlens(cu, None, 1, n + i + 1, ref, True)
+                N, host = options.cu_seqlens_checked(cu, None, 1, n + i + 1, ref, True)
                 got = seqlens.seqlens_derived(host, ("lens",), lambda: tuple((host[1:] - host[:-1]).tolist()))
                 assert N == 2 and got == (n, i + 1), (got, n, i)
             done.append(i)

@@ -35,7 +35,8 @@ CHUNK_RULES = [
     ("safe_gate in-kernel without lower_bound", dict(safe_gate=True, use_gate_in_kernel=True, A_log=torch.randn(HV)), ValueError, r"`lower_bound` must be given, in \[-5, 0\), when `safe_gate=True` and `use_gate_in_kernel=True`, got lower_bound=None"),
     ("safe_gate lower_bound < -5", dict(safe_gate=True, lower_bound=-5.5), ValueError, r"lower_bound=-5\.5"),
     ("safe_gate lower_bound 0", dict(safe_gate=True, lower_bound=0.0), ValueError, r"finite negative.*0\.0"),
-    ("lower_bound positive", dict(lower_bound=1.0), ValueError, r"`lower_bound` must be a finite negative number, got 1\.0"),
+    ("lower_bound positive", dict(lower_bound=1.0), ValueError,
+     r"`lower_bound` must be a finite negative number \(>= -3\.403e\+38, float32's range\), got 1\.0"),
     ("lower_bound type", dict(lower_bound="x"), TypeError, r"`lower_bound` must be a real number or None, got str"),
     ("chunk_size 16", dict(chunk_size=16), ValueError, r"`chunk_size` must be either 32 or 64, got 16"),
     ("chunk_size 128", dict(chunk_size=128), ValueError, r"`chunk_size` must be either 32 or 64, got 128"),
@@ -72,7 +73,28 @@ CHUNK_RULES = [
     ("device mismatch", dict(g=-torch.rand(B, T, HV, K, device="meta")), ValueError, r"`g` is on meta but `q` is on cpu"),
     ("flag type", dict(output_final_state="yes"), TypeError, r"`output_final_state` must be a bool, got str"),
     ("scale type", dict(scale="1"), TypeError, r"`scale` must be a real number or None, got str"),
-    ("scale nan", dict(scale=float("nan")), ValueError, r"`scale` must be finite, got nan"),
+    ("scale nan", dict(scale=float("nan")), ValueError,
+     r"`scale` must be finite \(\|scale\| <= 3\.403e\+38, float32's range\), got nan"),
+    ("lower_bound beyond float32", dict(use_gate_in_kernel=True, A_log=torch.randn(HV), lower_bound=-1e40), ValueError,
+     r"`lower_bound` must be a finite negative number \(>= -3\.403e\+38, float32's range\), got -1e\+40"),
+    ("no value heads", dict(v=torch.randn(B, T, 0, V), g=-torch.rand(B, T, 0, K), beta=torch.rand(B, T, 0)), ValueError,
+     r"the value heads HV=0 \(v.shape\[2\]\) must be a positive multiple of the q/k heads H=2"),
+    ("flag numpy bool", dict(output_final_state=np.bool_(True)), TypeError,
+     r"`output_final_state` must be a bool, got numpy\.bool"),
+    ("cu_seqlens_cpu dtype", dict(cu_seqlens=torch.tensor([0, T]), cu_seqlens_cpu=torch.tensor([0.0, T])), ValueError,
+     r"`cu_seqlens_cpu` must be a CPU int tensor shaped like cu_seqlens \[2\]"),
+    ("cu_seqlens_cpu shape", dict(cu_seqlens=torch.tensor([0, T]), cu_seqlens_cpu=torch.tensor([0, 5, T])), ValueError,
+     r"`cu_seqlens_cpu` must be a CPU int tensor shaped like cu_seqlens \[2\]"),
+    ("cu_seqlens_cpu type", dict(cu_seqlens=torch.tensor([0, T]), cu_seqlens_cpu=[0, T]), TypeError,
+     r"`cu_seqlens_cpu` must be a torch.Tensor, got list"),
+    ("A_log integer", dict(use_gate_in_kernel=True, A_log=torch.zeros(HV, dtype=torch.int32)), ValueError,
+     r"`A_log` must be bfloat16, float16, float32 or float64, got torch.int32"),
+    ("A_log device", dict(use_gate_in_kernel=True, A_log=torch.randn(HV, device="meta")), ValueError,
+     r"`A_log` is on meta but `q` is on cpu"),
+    ("cu_seqlens device", dict(cu_seqlens=torch.tensor([0, T], device="meta")), ValueError,
+     r"`cu_seqlens` is on meta but `q` is on cpu"),
+    ("cu_seqlens empty", dict(cu_seqlens=torch.zeros(0, dtype=torch.int32)), ValueError,
+     r"`cu_seqlens` must be a 1-D tensor \[N\+1\], got shape \[0\]"),
 ]
 
 
@@ -209,6 +231,15 @@ def test_gate_helpers_validate():
         kda_gate_chunk_cumsum(g[:1], torch.randn(HV), 64, cu_seqlens=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match=r"`output_dtype` must be a floating torch.dtype"):
         fused_kda_gate(g, torch.randn(HV), output_dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"`lower_bound` must be a finite negative number \(.*\), got -1e\+40"):
+        fused_kda_gate(g, torch.randn(HV), lower_bound=-1e40)
+    with pytest.raises(ValueError, match=r"`scale` must be finite \(.*float32's range\), got 1e\+39"):
+        kda_gate_chunk_cumsum(g, torch.randn(HV), 64, scale=1e39)
+    with pytest.raises(ValueError, match=r"`g` must be \[\.\.\., H, K\], got shape \[4\]"):
+        fused_kda_gate(torch.randn(HV), torch.randn(HV))
+    want = kda_gate_chunk_cumsum(g, torch.randn(HV, generator=torch.Generator().manual_seed(0)), 64)
+    got = kda_gate_chunk_cumsum(g, torch.randn(HV, generator=torch.Generator().manual_seed(0)), np.int64(64))
+    assert torch.equal(got, want)  # NumPy's ints are ints
 
 
 @pytest.mark.parametrize("fn", [chunk_kda, fused_recurrent_kda])
@@ -288,12 +319,14 @@ def test_real_scalars_as_scale_and_lower_bound(scale):
 
 
 @pytest.mark.parametrize("bad,exc,match", [
-    (np.bool_(True), TypeError, r"`scale` must be a real number or None, got bool"),
+    (np.bool_(True), TypeError, r"`scale` must be a real number or None, got numpy\.bool"),
     (True, TypeError, r"`scale` must be a real number or None, got bool"),
     (1j, TypeError, r"`scale` must be a real number or None, got complex"),
     (torch.ones(2), TypeError, r"`scale` must be a real number or a one-element real tensor.*shape=\[2\]"),
     (torch.tensor(0.5, device="meta"), TypeError, r"`scale` must be a real number or a one-element real tensor.*meta"),
-    (np.float32("inf"), ValueError, r"`scale` must be finite, got inf"),
+    (np.float32("inf"), ValueError, r"`scale` must be finite \(.*float32's range\), got inf"),
+    (1e39, ValueError, r"`scale` must be finite \(\|scale\| <= 3\.403e\+38, float32's range\), got 1e\+39"),
+    (torch.tensor(0.5, requires_grad=True), TypeError, r"`scale` is read as a number.*requires_grad=True"),
 ])
 def test_bad_scalars(bad, exc, match):
     with pytest.raises(exc, match=match):

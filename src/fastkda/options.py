@@ -111,17 +111,24 @@ def _fmt(x: Any) -> str:
     return repr(x)
 
 
+def _type_name(x: Any) -> str:
+    """The type of ``x`` as an error names it: builtins plain, others with their module
+    (``numpy.bool``, not a bare ``bool`` beside the ``bool`` it must be)."""
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
 def _tensor(name: str, x: Any, *, optional: bool = False) -> torch.Tensor | None:
     if x is None and optional:
         return None
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}: {x!r:.80}")
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {_type_name(x)}: {x!r:.80}")
     return x
 
 
 def _bool(name: str, x: Any) -> bool:
     if not isinstance(x, bool):
-        raise TypeError(f"`{name}` must be a bool, got {type(x).__name__}: {x!r:.80}")
+        raise TypeError(f"`{name}` must be a bool, got {_type_name(x)}: {x!r:.80}")
     return x
 
 
@@ -143,31 +150,40 @@ def _shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> 
 
 def real_number(name: str, x: Any) -> float:
     """A real scalar as a float: int, float, NumPy's real scalars, a one-element real tensor (read
-    with ``.item()``: one synchronisation for a device tensor). Not bool."""
+    with ``.item()``: one synchronisation for a device tensor) that does not require grad (its
+    gradient would be lost). Not bool."""
     if isinstance(x, torch.Tensor):
         if x.numel() != 1 or x.dtype == torch.bool or x.is_complex() or x.device.type == "meta":
             raise TypeError(f"`{name}` must be a real number or a one-element real tensor with a value, got {_fmt(x)}")
+        if x.requires_grad:
+            raise TypeError(f"`{name}` is read as a number, and a tensor that requires grad would lose its gradient; "
+                            f"pass a number or a detached tensor, got {_fmt(x)} with requires_grad=True")
         x = x.item()
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"`{name}` must be a real number or None, got {type(x).__name__}: {x!r:.80}")
+        raise TypeError(f"`{name}` must be a real number or None, got {_type_name(x)}: {x!r:.80}")
     return float(x)
+
+
+_F32_MAX = torch.finfo(torch.float32).max  # the kernels take scale and lower_bound as float32
 
 
 def _scale(scale: Any, K: int) -> float:
     if scale is None:
         return K**-0.5
     scale = real_number("scale", scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"`scale` must be finite, got {scale}")
+    if not (math.isfinite(scale) and abs(scale) <= _F32_MAX):
+        raise ValueError(f"`scale` must be finite (|scale| <= {_F32_MAX:.4g}, float32's range), got {scale}")
     return scale
 
 
-def _lower_bound(lower_bound: Any) -> float | None:
+def lower_bound_of(lower_bound: Any) -> float | None:
+    """``lower_bound`` as a float (None stays None), checked: finite, negative, within float32."""
     if lower_bound is None:
         return None
     lower_bound = real_number("lower_bound", lower_bound)
-    if not (math.isfinite(lower_bound) and lower_bound < 0):
-        raise ValueError(f"`lower_bound` must be a finite negative number, got {lower_bound}")
+    if not (math.isfinite(lower_bound) and -_F32_MAX <= lower_bound < 0):
+        raise ValueError(f"`lower_bound` must be a finite negative number (>= {-_F32_MAX:.4g}, float32's range), "
+                         f"got {lower_bound}")
     return lower_bound
 
 
@@ -200,11 +216,13 @@ def _gate_params(
     return GateMode.SOFTPLUS if lower_bound is None else GateMode.LOWER_BOUND
 
 
-def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch.Tensor, check_values: bool | None):
-    """Checks cu_seqlens; returns (N, host copy or None). check_values: True reads the values on
-    every call (a device-to-host copy unless ``cu_seqlens_cpu`` vouches for them) and checks them
-    (:func:`fastkda.seqlens.host_values`), None only when they are on the CPU, False never (shapes,
-    dtypes and devices only)."""
+def cu_seqlens_checked(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch.Tensor,
+                       check_values: bool | None):
+    """Checks cu_seqlens (and its host copy ``cu_seqlens_cpu``, if given) of ``B`` x ``T`` tokens on
+    ``ref``'s device; returns (N, checked host copy or None). check_values: True reads the values
+    on every call (a device-to-host copy unless ``cu_seqlens_cpu`` vouches for them) and checks them
+    (:func:`fastkda.seqlens.host_values`), None only where no device read is needed (cu_seqlens on
+    the CPU, or ``cu_seqlens_cpu`` given), False never (shapes, dtypes and devices only)."""
     cu = _tensor("cu_seqlens", cu_seqlens)
     if B != 1:
         raise ValueError(f"`cu_seqlens` needs the batch flattened to 1 (inputs [1, total_T, ...]), got batch size {B}")
@@ -218,7 +236,7 @@ def _cu_seqlens(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch
         given = _tensor("cu_seqlens_cpu", cu_seqlens_cpu)
         if given.device.type != "cpu" or given.shape != cu.shape or given.dtype not in INDEX_DTYPES:
             raise ValueError(f"`cu_seqlens_cpu` must be a CPU int tensor shaped like cu_seqlens {list(cu.shape)}, got {_fmt(given)}")
-    if check_values is False or (check_values is None and cu.device.type != "cpu"):
+    if check_values is False or (check_values is None and cu.device.type != "cpu" and given is None):
         return cu.numel() - 1, None
     return cu.numel() - 1, host_values(cu, given, T)
 
@@ -242,8 +260,9 @@ def _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values: 
     if v.ndim != 4 or tuple(v.shape[:2]) != (B, T):
         raise ValueError(f"`v` must have shape [B, T, HV, V] with B={B}, T={T}, got {list(v.shape)}")
     HV, V = v.shape[2], v.shape[3]
-    if H == 0 or HV % H != 0:
-        raise ValueError(f"the value heads HV={HV} (v.shape[2]) must be a multiple of the q/k heads H={H}")
+    if H == 0 or HV == 0 or HV % H != 0:
+        raise ValueError(f"the value heads HV={HV} (v.shape[2]) must be a positive multiple of the q/k heads H={H} "
+                         "(q.shape[2])")
     if K < 1 or K > MAX_K:
         raise ValueError(f"the key head dim K={K} must be in [1, {MAX_K}]")
     if V < 1:
@@ -258,7 +277,7 @@ def _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values: 
     scale = _scale(scale, K)
     N, cu_host = B, None
     if cu_seqlens is not None:
-        N, cu_host = _cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, q, check_cu_values)
+        N, cu_host = cu_seqlens_checked(cu_seqlens, cu_seqlens_cpu, B, T, q, check_cu_values)
     elif cu_seqlens_cpu is not None:
         raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
     return KDAShape(B, T, H, HV, K, V, N), scale, cu_host
@@ -414,9 +433,10 @@ def chunk_options(
     )
     for name, val in flags.items():
         _bool(name, val)
-    if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int)
-                                     or max_num_seqs < 0):
-        raise ValueError(f"`max_num_seqs` must be None or a non-negative int, got {max_num_seqs!r}")
+    if max_num_seqs is not None:
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, numbers.Integral) or max_num_seqs < 0:
+            raise ValueError(f"`max_num_seqs` must be None or a non-negative int, got {max_num_seqs!r}")
+        max_num_seqs = int(max_num_seqs)
     chunk_size = chunk_size_of(chunk_size)
     if cp_context is not None:
         from .distributed.cp import CPContext
@@ -437,13 +457,14 @@ def chunk_options(
             got = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
             raise ValueError(f"with `cp_context`, `q` must be this rank's shard [1, {cp_context.T_local}, H, K], got {got}")
     graph = use_graph and cu_seqlens is not None  # a dense batch needs no tables: use_graph changes nothing
-    # with use_graph the boundaries change between replays: never read, and a host copy is not used
-    shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, None if graph else cu_seqlens_cpu,
+    # with use_graph the boundaries change between replays: never read, and a host copy (checked as
+    # one) is not used
+    shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu,
                                   check_cu_values=False if graph else check_values)
     if graph and max_num_seqs is not None and max_num_seqs != shape.N:
         raise ValueError(f"with `use_graph`, `cu_seqlens` must hold max_num_seqs + 1 = {max_num_seqs + 1} entries "
                          f"(pad it with empty sequences), got {shape.N + 1}")
-    lower_bound = _lower_bound(lower_bound)
+    lower_bound = lower_bound_of(lower_bound)
     _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, use_gate_in_kernel)
     gate = _gate_params(use_gate_in_kernel, A_log, dt_bias, lower_bound, shape.HV, shape.K, q)
     if initial_state is not None:
@@ -546,7 +567,7 @@ def _recurrent_checked(
         _bool(name, val)
     # decoding must not synchronise with the host: cu_seqlens values are checked only when on the CPU
     shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, None, check_cu_values=None if check_values else False)
-    lower_bound = _lower_bound(lower_bound)
+    lower_bound = lower_bound_of(lower_bound)
     _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, False, lower_bound)
     gate = _gate_params(use_gate_in_kernel, A_log, dt_bias, lower_bound, shape.HV, shape.K, q)
     idx = _tensor("ssm_state_indices", ssm_state_indices, optional=True)
@@ -601,14 +622,16 @@ def gate_options(
     if not isinstance(output_dtype, torch.dtype) or output_dtype not in FLOAT_DTYPES:
         raise ValueError(f"`output_dtype` must be a floating torch.dtype, got {output_dtype!r}")
     H, K = g.shape[-2:]
-    lower_bound = _lower_bound(lower_bound)
+    lower_bound = lower_bound_of(lower_bound)
     mode = _gate_params(True, A_log, dt_bias, lower_bound, H, K, g)
     cu_host = None
     if chunk_size is not None or need_time_axis:  # kda_gate_chunk_cumsum: a chunk size, None included
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
+        if (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1
+                or chunk_size & (chunk_size - 1)):
             raise ValueError(f"`chunk_size` must be a positive power of two, got {chunk_size!r}")
+        chunk_size = int(chunk_size)
         if scale is not None:
             scale = _scale(scale, K)
         if cu_seqlens is not None:
-            _, cu_host = _cu_seqlens(cu_seqlens, None, g.shape[0], g.shape[1], g, check_values=True)
+            _, cu_host = cu_seqlens_checked(cu_seqlens, None, g.shape[0], g.shape[1], g, check_values=True)
     return GateOptions(mode, lower_bound, output_dtype, chunk_size, scale), cu_host

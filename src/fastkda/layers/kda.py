@@ -27,7 +27,7 @@ from torch import nn
 
 from .. import seqlens
 from ..api import chunk_kda, fused_recurrent_kda
-from ..options import MAX_K, chunk_size_of, real_number
+from ..options import MAX_K, chunk_size_of, cu_seqlens_checked, lower_bound_of, real_number
 
 __all__ = ["KimiDeltaAttention", "KDACache", "ShortConvolution", "GatedRMSNorm"]
 
@@ -324,10 +324,7 @@ class KimiDeltaAttention(nn.Module):
         conv_size = _int("conv_size", conv_size, 0, what="a non-negative int (0: no convolution)")
         layer_idx = _int("layer_idx", layer_idx, 0, optional=True, what="a non-negative int")
         chunk_size = chunk_size_of(chunk_size)
-        if lower_bound is not None:
-            lower_bound = real_number("lower_bound", lower_bound)
-            if not (math.isfinite(lower_bound) and lower_bound < 0):
-                raise ValueError(f"`lower_bound` must be None or a finite negative number, got {lower_bound!r}")
+        lower_bound = lower_bound_of(lower_bound)
         if safe_gate and (lower_bound is None or not -5.0 <= lower_bound < 0.0):
             raise ValueError(f"`safe_gate=True` needs `lower_bound` in [-5, 0), got lower_bound={lower_bound!r}")
         eps = real_number("norm_eps", norm_eps)
@@ -478,14 +475,18 @@ class KimiDeltaAttention(nn.Module):
             past_key_values, use_cache = cache, True
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
             raise ValueError(f"`hidden_states` must be a [batch, seq_len, hidden_size] tensor, got {hidden_states!r:.80}")
+        if hidden_states.shape[-1] != self.hidden_size or not hidden_states.is_floating_point():
+            raise ValueError(f"`hidden_states` must be a floating [batch, seq_len, hidden_size={self.hidden_size}] "
+                             f"tensor, got shape {list(hidden_states.shape)} and dtype {hidden_states.dtype}")
+        if use_cache is not None and not isinstance(use_cache, bool):
+            raise TypeError(f"`use_cache` must be a bool or None, got {type(use_cache).__name__}: {use_cache!r:.80}")
         B, T, _ = hidden_states.shape
-        if cu_seqlens_cpu is not None:
-            if cu_seqlens is None:
-                raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
-            if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu" \
-                    or cu_seqlens_cpu.shape != cu_seqlens.shape:
-                raise ValueError(f"`cu_seqlens_cpu` must be a CPU tensor shaped like cu_seqlens {list(cu_seqlens.shape)}, "
-                                 f"got {cu_seqlens_cpu!r:.80}")
+        checked = None  # the boundaries' host copy, checked against T (None: not read)
+        if cu_seqlens is not None:  # shapes, dtypes, devices; the values where no device read is needed
+            _, checked = cu_seqlens_checked(cu_seqlens, cu_seqlens_cpu, B, T, hidden_states,
+                                            False if torch.compiler.is_compiling() else None)
+        elif cu_seqlens_cpu is not None:
+            raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
         indices = None
         if attention_mask is not None and cu_seqlens is None:
             if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
@@ -504,12 +505,10 @@ class KimiDeltaAttention(nn.Module):
         layers_layout = kind == "layers"
         conv_width = self.conv_size if layers_layout else None
         recurrent = self._recurrent(T)
-        host = cu_seqlens_cpu
+        host = checked if checked is not None else cu_seqlens_cpu
         if host is None and cu_seqlens is not None and not torch.compiler.is_compiling():
-            if cu_seqlens.device.type == "cpu":
-                host = cu_seqlens
-            elif not recurrent or (write and self.has_conv and self.conv_size > 1):  # read once: chunk_kda, the cache
-                host = seqlens.host_seqlens(cu_seqlens)
+            if not recurrent or (write and self.has_conv and self.conv_size > 1):  # read once: chunk_kda, the cache
+                host = seqlens.host_values(cu_seqlens, None, Tx)
         q, conv_q = self._conv("q", self.q_proj(x), conv_q, write, cu_seqlens, host, conv_width)
         k, conv_k = self._conv("k", self.k_proj(x), conv_k, write, cu_seqlens, host, conv_width)
         v, conv_v = self._conv("v", self.v_proj(x), conv_v, write, cu_seqlens, host, conv_width)
