@@ -127,8 +127,41 @@ def test_short_convolution_kernel_size_wide_cache(rng):
     assert torch.equal(new0[..., :2], torch.zeros(2, 8, 2, device=DEVICE)) and torch.equal(new0[..., 2:], x.transpose(1, 2))
     with pytest.raises(ValueError, match=r"`cache_width` must be kernel_size - 1 = 3 or kernel_size = 4, got 2"):
         conv(x, cache_width=2)
-    with pytest.raises(ValueError, match=r"`cache` must be \[N, 8, 3\], got \[2, 8, 4\]"):
+    with pytest.raises(ValueError, match=r"`cache` must be \[N, 8, 3\] with N=2 sequences .*got \[2, 8, 4\]"):
         conv(x, cache=wide)
+
+
+def test_short_convolution_argument_rules(rng):
+    """ShortConvolution's inputs: a ValueError naming the argument before any work (the values of
+    cu_seqlens are the layer's to check: a convolution of each layer's three runs per step)."""
+    conv = ShortConvolution(8, 4).to(DEVICE)
+    x = torch.randn(1, 5, 8, generator=rng).to(DEVICE)
+    with pytest.raises(ValueError, match=r"`hidden_size` must be a positive int, got 2\.5"):
+        ShortConvolution(2.5)
+    with pytest.raises(ValueError, match=r"`x` must be a floating \[B, T, hidden_size=8\] .*shape \[1, 5, 7\]"):
+        conv(x[..., :7])
+    with pytest.raises(ValueError, match=r"`x` must be a floating \[B, T, hidden_size=8\] .*shape \[5, 8\]"):
+        conv(x[0])
+    with pytest.raises(ValueError, match=r"`cache` must be \[N, 8, 3\] with N=2 sequences .*got \[3, 8, 3\]"):
+        conv(x, cache=torch.zeros(3, 8, 3, device=DEVICE), cu_seqlens=torch.tensor([0, 2, 5], device=DEVICE))
+    with pytest.raises(ValueError, match=r"`cache` must be \[N, 8, 3\] with N=1 sequences .*got \[2, 8, 3\]"):
+        conv(x, cache=torch.zeros(2, 8, 3, device=DEVICE))
+    with pytest.raises(ValueError, match=r"`cu_seqlens` must be int32 or int64, got torch.float32"):
+        conv(x, cu_seqlens=torch.tensor([0.0, 2.0, 5.0]).to(DEVICE))
+    with pytest.raises(ValueError, match=r"`cu_seqlens` needs the batch flattened to 1 .*got batch size 2"):
+        conv(torch.cat([x, x]), cu_seqlens=torch.tensor([0, 2, 5]).to(DEVICE))
+
+
+def test_cache_of_another_model(rng):
+    """A cache whose recurrent state does not fit this layer (another model's heads or head sizes,
+    another dtype): a ValueError naming the cache and the layer, before anything is written."""
+    m = layer(conv_size=0).eval()
+    cache = KDACache(recurrent_states={0: torch.zeros(1, 4, 8, 8, device=DEVICE)})
+    with torch.no_grad(), pytest.raises(ValueError, match=r"`cache` holds a recurrent state of shape \[1, 4, 8, 8\] "
+                                                           r"and torch.float32 for layer 0, but this layer's is "
+                                                           r"\[1, 4, 16, 16\] float32"):
+        m(torch.randn(1, 3, 64, generator=rng).to(DEVICE), cache=cache)
+    assert cache.recurrent_states[0].shape == (1, 4, 8, 8)
 
 
 def test_checkpoint_A_log_shape():

@@ -27,6 +27,7 @@ from torch import nn
 
 from .. import seqlens
 from ..api import chunk_kda, fused_recurrent_kda
+from ..dtypes import INDEX_DTYPES
 from ..options import MAX_K, chunk_size_of, cu_seqlens_checked, lower_bound_of, real_number
 
 __all__ = ["KimiDeltaAttention", "KDACache", "ShortConvolution", "GatedRMSNorm"]
@@ -85,8 +86,7 @@ class ShortConvolution(nn.Module):
         super().__init__()
         if activation not in (None, "silu"):
             raise ValueError(f"`activation` must be 'silu' or None, got {activation!r}")
-        if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1:
-            raise ValueError(f"`kernel_size` must be a positive int, got {kernel_size!r}")
+        hidden_size, kernel_size = _int("hidden_size", hidden_size, 1), _int("kernel_size", kernel_size, 1)
         self.hidden_size, self.kernel_size, self.activation = hidden_size, kernel_size, activation
         # the causal-conv1d package's kernel (None: not installed) and the device types it runs on;
         # per instance, so that a caller (or a test) can route one module elsewhere
@@ -112,8 +112,17 @@ class ShortConvolution(nn.Module):
         width = W - 1 if cache_width is None else cache_width
         if width not in (W - 1, W):
             raise ValueError(f"`cache_width` must be kernel_size - 1 = {W - 1} or kernel_size = {W}, got {cache_width!r}")
-        if cache is not None and (cache.dim() != 3 or cache.shape[1:] != (self.hidden_size, width)):
-            raise ValueError(f"`cache` must be [N, {self.hidden_size}, {width}], got {list(cache.shape)}")
+        if (not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[2] != self.hidden_size
+                or not x.is_floating_point()):
+            got = f"shape {list(x.shape)}, {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"`x` must be a floating [B, T, hidden_size={self.hidden_size}] tensor, got {got}")
+        if cu_seqlens is not None and not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
+                                           and cu_seqlens.dtype in INDEX_DTYPES and x.shape[0] == 1):
+            cu_seqlens_checked(cu_seqlens, cu_seqlens_cpu, x.shape[0], x.shape[1], x, False)  # raises, naming it
+        N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        if cache is not None and (cache.dim() != 3 or cache.shape != (N, self.hidden_size, width)):
+            raise ValueError(f"`cache` must be [N, {self.hidden_size}, {width}] with N={N} sequences (the batch, or "
+                             f"len(cu_seqlens) - 1), got {list(cache.shape)}")
         if width == W - 1:
             return self._forward(x, cache, output_final_state, cu_seqlens, cu_seqlens_cpu)
         y, _ = self._forward(x, None if cache is None else cache[..., 1:], False, cu_seqlens, cu_seqlens_cpu)
@@ -426,11 +435,19 @@ class KimiDeltaAttention(nn.Module):
         else:
             raise TypeError("`past_key_values` must be a KDACache, a cache with fla's layer-cache interface or None, "
                             f"got {type(past_key_values).__name__}")
+        layer = self._kda_key if kind == "kda" else self.layer_idx
+        if any(t is not None and not isinstance(t, torch.Tensor) for t in (*convs, state)):
+            raise TypeError(f"`cache` holds states for layer {layer} that are not tensors")
         held = {t.shape[0] for t in (*convs, state) if t is not None}
         if held and held != {N}:
-            layer = self._kda_key if kind == "kda" else self.layer_idx
             raise ValueError(f"`cache` holds {min(held)} sequences for layer {layer}, but the input has {N} (its batch "
                              "size, or len(cu_seqlens) - 1): use a new cache, or reorder it")
+        if state is not None:
+            HV, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim
+            want = (N, HV, V, K) if kind == "layers" else (N, HV, K, V)
+            if tuple(state.shape) != want or state.dtype != torch.float32:
+                raise ValueError(f"`cache` holds a recurrent state of shape {list(state.shape)} and {state.dtype} for "
+                                 f"layer {layer}, but this layer's is {list(want)} float32: a cache of another model?")
         return kind, convs, state
 
     @property
@@ -481,10 +498,8 @@ class KimiDeltaAttention(nn.Module):
         if use_cache is not None and not isinstance(use_cache, bool):
             raise TypeError(f"`use_cache` must be a bool or None, got {type(use_cache).__name__}: {use_cache!r:.80}")
         B, T, _ = hidden_states.shape
-        checked = None  # the boundaries' host copy, checked against T (None: not read)
-        if cu_seqlens is not None:  # shapes, dtypes, devices; the values where no device read is needed
-            _, checked = cu_seqlens_checked(cu_seqlens, cu_seqlens_cpu, B, T, hidden_states,
-                                            False if torch.compiler.is_compiling() else None)
+        if cu_seqlens is not None:  # shapes, dtypes, devices (the values below, where they are used)
+            cu_seqlens_checked(cu_seqlens, cu_seqlens_cpu, B, T, hidden_states, False)
         elif cu_seqlens_cpu is not None:
             raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
         indices = None
@@ -505,10 +520,10 @@ class KimiDeltaAttention(nn.Module):
         layers_layout = kind == "layers"
         conv_width = self.conv_size if layers_layout else None
         recurrent = self._recurrent(T)
-        host = checked if checked is not None else cu_seqlens_cpu
-        if host is None and cu_seqlens is not None and not torch.compiler.is_compiling():
-            if not recurrent or (write and self.has_conv and self.conv_size > 1):  # read once: chunk_kda, the cache
-                host = seqlens.host_values(cu_seqlens, None, Tx)
+        host = cu_seqlens_cpu
+        if cu_seqlens is not None and not torch.compiler.is_compiling() and (
+                not recurrent or (write and self.has_conv and self.conv_size > 1)):  # chunk_kda, the conv cache
+            host = seqlens.host_values(cu_seqlens, cu_seqlens_cpu, Tx)  # read once (or the host copy), checked
         q, conv_q = self._conv("q", self.q_proj(x), conv_q, write, cu_seqlens, host, conv_width)
         k, conv_k = self._conv("k", self.k_proj(x), conv_k, write, cu_seqlens, host, conv_width)
         v, conv_v = self._conv("v", self.v_proj(x), conv_v, write, cu_seqlens, host, conv_width)
