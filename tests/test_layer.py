@@ -379,6 +379,8 @@ def test_varlen_with_host_boundaries(mode, rng):
      r"`cu_seqlens` and `cu_seqlens_cpu` must hold the same values, got cu_seqlens\[1\]=2 and cu_seqlens_cpu\[1\]=3"),
     (dict(cu_seqlens=torch.tensor([0, 2, 5]), cu_seqlens_cpu=torch.tensor([0.0, 2.0, 5.0])), ValueError,
      r"`cu_seqlens_cpu` must be a CPU int tensor shaped like cu_seqlens \[3\]"),
+    (dict(cu_seqlens=torch.tensor([0, 2, 5], device="meta")), ValueError,
+     r"`cu_seqlens` is on meta but `hidden_states` is on"),
     (dict(x=torch.randn(2, 5, 64), cu_seqlens=torch.tensor([0, 2, 5])), ValueError,
      r"`cu_seqlens` needs the batch flattened to 1 .*got batch size 2"),
     (dict(x=torch.randn(1, 5, 63)), ValueError,
@@ -395,7 +397,7 @@ def test_forward_argument_rules(mode, bad, exc, match):
         pytest.skip("a host copy vouches for a device cu_seqlens: compared only with a CPU one")
     m = layer(conv_size=4, mode=mode, force_mode=True).eval()
     x = bad.pop("x", torch.randn(1, 5, 64)).to(DEVICE)
-    if isinstance(bad.get("cu_seqlens"), torch.Tensor):
+    if isinstance(bad.get("cu_seqlens"), torch.Tensor) and bad["cu_seqlens"].device.type != "meta":
         bad["cu_seqlens"] = bad["cu_seqlens"].to(DEVICE)
     cache = KDACache()
     with torch.no_grad():

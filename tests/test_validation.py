@@ -181,7 +181,25 @@ RECURRENT_RULES = [
     ("state type", dict(initial_state=[0.0]), TypeError, r"`initial_state` must be a torch.Tensor, got list"),
     ("pool type", dict(initial_state=[0.0], ssm_state_indices=torch.tensor([0])), TypeError,
      r"`initial_state` must be a torch.Tensor, got list"),
+    ("inplace into a state that requires grad", dict(initial_state=h0().requires_grad_(), inplace_final_state=True),
+     ValueError, r"`inplace_final_state=True` writes into `initial_state`, which requires grad"),
+    ("inplace flag type", dict(initial_state=h0(), inplace_final_state=1), TypeError,
+     r"`inplace_final_state` must be a bool, got int: 1"),
+    ("accepted dtype", dict(initial_state=pool(), ssm_state_indices=torch.zeros(1, T, dtype=torch.long),
+                            num_accepted_tokens=torch.tensor([1.0])), ValueError,
+     r"`num_accepted_tokens` must be an int32/int64 tensor of shape \[N\]=\[1\]"),
+    ("indices device", dict(initial_state=pool(), ssm_state_indices=torch.tensor([0], device="meta")), ValueError,
+     r"`ssm_state_indices` is on meta but `q` is on cpu"),
+    ("accepted device", dict(initial_state=pool(), ssm_state_indices=torch.zeros(1, T, dtype=torch.long),
+                             num_accepted_tokens=torch.tensor([1], device="meta")), ValueError,
+     r"`num_accepted_tokens` is on meta but `q` is on cpu"),
 ]
+
+
+def test_state_on_another_device():
+    for fn in (chunk_kda, fused_recurrent_kda):
+        with pytest.raises(ValueError, match=r"`initial_state` is on meta but `q` is on cpu"):
+            fn(**base(initial_state=h0().to("meta")))
 
 
 @pytest.mark.parametrize("name,over,exc,match", RECURRENT_RULES, ids=[r[0] for r in RECURRENT_RULES])
@@ -217,8 +235,12 @@ def test_bad_pool_indices_leave_pool_untouched(idx, acc, match):
 
 def test_gate_helpers_validate():
     g = torch.randn(2, 5, HV, K)
-    with pytest.raises(ValueError, match=r"`A_log` must be given"):
-        fused_kda_gate(g)
+    with pytest.raises(ValueError, match=r"^`A_log` must be given when `lower_bound` is None, got A_log=None$"):
+        fused_kda_gate(g)  # (the gate helpers have no use_gate_in_kernel, and their device is g's)
+    with pytest.raises(ValueError, match=r"`A_log` is on meta but `g` is on cpu"):
+        fused_kda_gate(g, torch.randn(HV, device="meta"))
+    with pytest.raises(ValueError, match=r"`cu_seqlens` is on meta but `g` is on cpu"):
+        kda_gate_chunk_cumsum(g[:1], torch.randn(HV), 64, cu_seqlens=torch.tensor([0, 5], device="meta"))
     with pytest.raises(ValueError, match=r"`dt_bias` must have shape \[HV\*K\]=\[64\] \(or \[HV, K\]\), got shape \[3\]"):
         fused_kda_gate(g, torch.randn(HV), torch.randn(3))
     with pytest.raises(ValueError, match=r"`chunk_size` must be a positive power of two, got 48"):

@@ -137,10 +137,11 @@ def _float_dtype(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"`{name}` must be bfloat16, float16, float32 or float64, got {x.dtype}")
 
 
-def _same_device(ref: torch.Tensor, **named: torch.Tensor | None) -> None:
+def _same_device(ref: torch.Tensor, ref_name: str, **named: torch.Tensor | None) -> None:
     for name, t in named.items():
         if t is not None and t.device != ref.device:
-            raise ValueError(f"`{name}` is on {t.device} but `q` is on {ref.device}; all tensors must share one device")
+            raise ValueError(f"`{name}` is on {t.device} but `{ref_name}` is on {ref.device}; all tensors must share "
+                             "one device")
 
 
 def _shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
@@ -195,14 +196,18 @@ def chunk_size_of(chunk_size: Any) -> int:
 
 
 def _gate_params(
-    use_gate_in_kernel: bool, A_log: Any, dt_bias: Any, lower_bound: float | None, HV: int, K: int, ref: torch.Tensor
+    use_gate_in_kernel: bool, A_log: Any, dt_bias: Any, lower_bound: float | None, HV: int, K: int, ref: torch.Tensor,
+    ref_name: str = "q",
 ) -> GateMode:
+    """The gate mode; ``ref`` (named ``ref_name`` in errors, "q" for the operators, whose errors
+    also name ``use_gate_in_kernel``) gives the device."""
     if not use_gate_in_kernel:
         return GateMode.PREGATED
     A_log = _tensor("A_log", A_log, optional=True)
     dt_bias = _tensor("dt_bias", dt_bias, optional=True)
     if A_log is None and lower_bound is None:
-        raise ValueError("`A_log` must be given when `use_gate_in_kernel=True` and `lower_bound` is None, got A_log=None")
+        when = "`use_gate_in_kernel=True` and " if ref_name == "q" else ""
+        raise ValueError(f"`A_log` must be given when {when}`lower_bound` is None, got A_log=None")
     if A_log is not None:
         _float_dtype("A_log", A_log)
         # [HV], or with unit dimensions around it as some checkpoints store it ([1, 1, HV, 1])
@@ -212,17 +217,18 @@ def _gate_params(
         _float_dtype("dt_bias", dt_bias)
         if tuple(dt_bias.shape) not in ((HV * K,), (HV, K)):  # a [K, HV] bias would be read transposed
             raise ValueError(f"`dt_bias` must have shape [HV*K]=[{HV * K}] (or [HV, K]), got shape {list(dt_bias.shape)}")
-    _same_device(ref, A_log=A_log, dt_bias=dt_bias)
+    _same_device(ref, ref_name, A_log=A_log, dt_bias=dt_bias)
     return GateMode.SOFTPLUS if lower_bound is None else GateMode.LOWER_BOUND
 
 
 def cu_seqlens_checked(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref: torch.Tensor,
-                       check_values: bool | None):
+                       check_values: bool | None, ref_name: str = "q"):
     """Checks cu_seqlens (and its host copy ``cu_seqlens_cpu``, if given) of ``B`` x ``T`` tokens on
-    ``ref``'s device; returns (N, checked host copy or None). check_values: True reads the values
-    on every call (a device-to-host copy unless ``cu_seqlens_cpu`` vouches for them) and checks them
-    (:func:`fastkda.seqlens.host_values`), None only where no device read is needed (cu_seqlens on
-    the CPU, or ``cu_seqlens_cpu`` given), False never (shapes, dtypes and devices only)."""
+    the device of ``ref`` (``ref_name`` in errors); returns (N, checked host copy or None).
+    check_values: True reads the values on every call (a device-to-host copy unless
+    ``cu_seqlens_cpu`` vouches for them) and checks them (:func:`fastkda.seqlens.host_values`),
+    None only where no device read is needed (cu_seqlens on the CPU, or ``cu_seqlens_cpu`` given),
+    False never (shapes, dtypes and devices only)."""
     cu = _tensor("cu_seqlens", cu_seqlens)
     if B != 1:
         raise ValueError(f"`cu_seqlens` needs the batch flattened to 1 (inputs [1, total_T, ...]), got batch size {B}")
@@ -230,7 +236,7 @@ def cu_seqlens_checked(cu_seqlens: Any, cu_seqlens_cpu: Any, B: int, T: int, ref
         raise ValueError(f"`cu_seqlens` must be a 1-D tensor [N+1], got shape {list(cu.shape)}")
     if cu.dtype not in INDEX_DTYPES:
         raise ValueError(f"`cu_seqlens` must be int32 or int64, got {cu.dtype}")
-    _same_device(ref, cu_seqlens=cu)
+    _same_device(ref, ref_name, cu_seqlens=cu)
     given = None
     if cu_seqlens_cpu is not None:
         given = _tensor("cu_seqlens_cpu", cu_seqlens_cpu)
@@ -273,7 +279,7 @@ def _core(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, check_cu_values: 
         _float_dtype(name, t)
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"`q`, `k`, `v` must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    _same_device(q, k=k, v=v, g=g, beta=beta)
+    _same_device(q, "q", k=k, v=v, g=g, beta=beta)
     scale = _scale(scale, K)
     N, cu_host = B, None
     if cu_seqlens is not None:
@@ -303,7 +309,7 @@ def _state(name: str, h: torch.Tensor, lead: int | None, shape: KDAShape, state_
         what = ("float32" if len(allowed) == 1 else "float32 or bfloat16 (a bfloat16 pool is read into float32 "
                 "arithmetic)")
         raise ValueError(f"`{name}` must be {what}, got {h.dtype}")
-    _same_device(q, **{name: h})
+    _same_device(q, "q", **{name: h})
 
 
 # fla.ops.kda's operators take and ignore any keyword; fastkda's take the other operator's keywords
@@ -581,13 +587,13 @@ def _recurrent_checked(
             raise ValueError(f"`ssm_state_indices` must have shape [N] or [N, 1 + num_draft] with N={shape.N} sequences, got {list(idx.shape)}")
         if idx.ndim == 2 and cu_seqlens is None and shape.T > idx.shape[1]:
             raise ValueError(f"`ssm_state_indices` has {idx.shape[1]} slots per sequence but each sequence has T={shape.T} tokens")
-        _same_device(q, ssm_state_indices=idx)
+        _same_device(q, "q", ssm_state_indices=idx)
     if acc is not None:
         if idx is None or idx.ndim != 2:
             raise ValueError("`num_accepted_tokens` needs 2-D `ssm_state_indices` [N, 1 + num_draft] (speculative decoding)")
         if acc.dtype not in INDEX_DTYPES or tuple(acc.shape) != (shape.N,):
             raise ValueError(f"`num_accepted_tokens` must be an int32/int64 tensor of shape [N]=[{shape.N}], got {_fmt(acc)}")
-        _same_device(q, num_accepted_tokens=acc)
+        _same_device(q, "q", num_accepted_tokens=acc)
     if idx is not None and idx.ndim == 2 and acc is None:
         raise ValueError("2-D `ssm_state_indices` (speculative decoding) needs `num_accepted_tokens` [N], got None")
     if initial_state is not None:
@@ -623,7 +629,7 @@ def gate_options(
         raise ValueError(f"`output_dtype` must be a floating torch.dtype, got {output_dtype!r}")
     H, K = g.shape[-2:]
     lower_bound = lower_bound_of(lower_bound)
-    mode = _gate_params(True, A_log, dt_bias, lower_bound, H, K, g)
+    mode = _gate_params(True, A_log, dt_bias, lower_bound, H, K, g, "g")
     cu_host = None
     if chunk_size is not None or need_time_axis:  # kda_gate_chunk_cumsum: a chunk size, None included
         if (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1
@@ -633,5 +639,5 @@ def gate_options(
         if scale is not None:
             scale = _scale(scale, K)
         if cu_seqlens is not None:
-            _, cu_host = cu_seqlens_checked(cu_seqlens, None, g.shape[0], g.shape[1], g, check_values=True)
+            _, cu_host = cu_seqlens_checked(cu_seqlens, None, g.shape[0], g.shape[1], g, True, "g")
     return GateOptions(mode, lower_bound, output_dtype, chunk_size, scale), cu_host

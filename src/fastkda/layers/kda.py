@@ -118,7 +118,7 @@ class ShortConvolution(nn.Module):
             raise ValueError(f"`x` must be a floating [B, T, hidden_size={self.hidden_size}] tensor, got {got}")
         if cu_seqlens is not None and not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
                                            and cu_seqlens.dtype in INDEX_DTYPES and x.shape[0] == 1):
-            cu_seqlens_checked(cu_seqlens, cu_seqlens_cpu, x.shape[0], x.shape[1], x, False)  # raises, naming it
+            cu_seqlens_checked(cu_seqlens, cu_seqlens_cpu, x.shape[0], x.shape[1], x, False, "x")  # raises
         N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         if cache is not None and (cache.dim() != 3 or cache.shape != (N, self.hidden_size, width)):
             raise ValueError(f"`cache` must be [N, {self.hidden_size}, {width}] with N={N} sequences (the batch, or "
@@ -499,7 +499,7 @@ class KimiDeltaAttention(nn.Module):
             raise TypeError(f"`use_cache` must be a bool or None, got {type(use_cache).__name__}: {use_cache!r:.80}")
         B, T, _ = hidden_states.shape
         if cu_seqlens is not None:  # shapes, dtypes, devices (the values below, where they are used)
-            cu_seqlens_checked(cu_seqlens, cu_seqlens_cpu, B, T, hidden_states, False)
+            cu_seqlens_checked(cu_seqlens, cu_seqlens_cpu, B, T, hidden_states, False, "hidden_states")
         elif cu_seqlens_cpu is not None:
             raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
         indices = None
