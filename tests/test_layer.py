@@ -11,7 +11,7 @@ import conftest
 from conftest import DEVICE, GPU
 from helpers import check
 
-from fastkda.layers import KDACache, KimiDeltaAttention, ShortConvolution
+from fastkda.layers import GatedRMSNorm, KDACache, KimiDeltaAttention, ShortConvolution
 from fastkda.layers import kda as kda_layer
 
 DIMS = dict(hidden_size=64, num_heads=2, head_dim=16, num_v_heads=4, conv_size=4)
@@ -404,3 +404,11 @@ def test_forward_argument_rules(mode, bad, exc, match):
         with pytest.raises(exc, match=match):
             m(x, past_key_values=cache, use_cache=bad.pop("use_cache", True), **bad)
     assert not cache.recurrent_states and not cache.conv_states
+
+
+def test_gated_rms_norm_rules():
+    for eps in (-1.0, 0.0, float("nan")):
+        with pytest.raises(ValueError, match=r"`eps` must be a positive finite number"):
+            GatedRMSNorm(8, eps=eps)
+    with pytest.raises(ValueError, match=r"`dim` must be a positive int, got 0"):
+        GatedRMSNorm(0)

@@ -214,6 +214,9 @@ class GatedRMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
+        dim, eps = _int("dim", dim, 1), real_number("eps", eps)
+        if not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"`eps` must be a positive finite number, got {eps!r}")
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
