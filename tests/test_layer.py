@@ -150,6 +150,8 @@ def test_short_convolution_argument_rules(rng):
         conv(x, cu_seqlens=torch.tensor([0.0, 2.0, 5.0]).to(DEVICE))
     with pytest.raises(ValueError, match=r"`cu_seqlens` needs the batch flattened to 1 .*got batch size 2"):
         conv(torch.cat([x, x]), cu_seqlens=torch.tensor([0, 2, 5]).to(DEVICE))
+    with pytest.raises(ValueError, match=r"`cu_seqlens` must be a 1-D tensor \[N\+1\], got shape \[0\]"):
+        conv(x, cu_seqlens=torch.zeros(0, dtype=torch.int32, device=DEVICE))
 
 
 def test_cache_of_another_model(rng):
@@ -387,6 +389,9 @@ def test_varlen_with_host_boundaries(mode, rng):
      r"`hidden_states` must be a floating \[batch, seq_len, hidden_size=64\] tensor, got shape \[1, 5, 63\]"),
     (dict(x=torch.ones(1, 5, 64, dtype=torch.int64)), ValueError, r"`hidden_states` must be a floating .*torch.int64"),
     (dict(use_cache="no"), TypeError, r"`use_cache` must be a bool or None, got str: 'no'"),
+    (dict(use_cache=np.bool_(True)), TypeError, r"`use_cache` must be a bool or None, got numpy\.bool"),
+    (dict(cu_seqlens=torch.tensor([0, 2, 4]), use_cache=False), ValueError,
+     r"`cu_seqlens` must end at the total length T=5, got 4"),
 ])
 def test_forward_argument_rules(mode, bad, exc, match):
     """Bad boundaries, inputs and flags: a ValueError or TypeError naming the argument, raised before
@@ -395,6 +400,8 @@ def test_forward_argument_rules(mode, bad, exc, match):
     bad = dict(bad)  # (shared by both modes' parameter sets)
     if "cu_seqlens_cpu" in bad and "values" in match and DEVICE != "cpu":
         pytest.skip("a host copy vouches for a device cu_seqlens: compared only with a CPU one")
+    if bad.get("use_cache") is False and DEVICE != "cpu":
+        pytest.skip("a decode step without a cache write reads no device cu_seqlens back: values unchecked")
     m = layer(conv_size=4, mode=mode, force_mode=True).eval()
     x = bad.pop("x", torch.randn(1, 5, 64)).to(DEVICE)
     if isinstance(bad.get("cu_seqlens"), torch.Tensor) and bad["cu_seqlens"].device.type != "meta":
@@ -412,3 +419,17 @@ def test_gated_rms_norm_rules():
             GatedRMSNorm(8, eps=eps)
     with pytest.raises(ValueError, match=r"`dim` must be a positive int, got 0"):
         GatedRMSNorm(0)
+
+
+def test_float64_layer_decodes_from_its_cache(rng):
+    """A float64 layer (the PyTorch backend) keeps float64 states in its cache and reads them back:
+    prefill, then one token, equals one forward over both."""
+    m = layer(torch.float64, conv_size=4).eval()
+    x = torch.randn(2, 6, 64, generator=rng, dtype=torch.float64).to(DEVICE)
+    with torch.no_grad():
+        cache = KDACache()
+        m(x[:, :5], cache=cache)
+        assert cache.recurrent_states[0].dtype == torch.float64
+        step = m(x[:, 5:], cache=cache)[0]
+        full = m(x)[0]
+    check("decode step", step, full[:, 5:], 1e-10)

@@ -355,6 +355,14 @@ def test_bad_scalars(bad, exc, match):
         chunk_kda(**base(), scale=bad)
 
 
+def test_scale_parameter_without_grad():
+    """A scale tensor that requires grad is a number where no gradient is taken (no_grad)."""
+    x = base()
+    with torch.no_grad():
+        got = chunk_kda(**x, scale=torch.nn.Parameter(torch.tensor(0.25)))[0]
+        assert torch.equal(got, chunk_kda(**x, scale=0.25)[0])
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 def test_meta_tensors_propagate_shapes(varlen):
     """On meta tensors chunk_kda validates and returns outputs of the right shapes and dtypes

@@ -32,7 +32,7 @@ def tuning(cfg, sets):
     from fastkda.backends.triton.plan import Launch, Tuning, tuned
 
     names = ("gates", "gates_whole", "intra", "intra_whole", "inverse", "wu", "wu_x16", "bwd_state", "bwd_v", "bwd_k",
-             "bwd_gate", "bwd_gate_block", "bwd_dg")
+             "bwd_gate", "bwd_gate_block", "bwd_dg", "bwd_dg_softplus")
     fields = {n: Launch(cfg[0], 1, cfg[1]) for n in names}
     for item in sets:
         name, value = item.split("=", 1)

@@ -111,7 +111,7 @@ def _fmt(x: Any) -> str:
     return repr(x)
 
 
-def _type_name(x: Any) -> str:
+def type_name(x: Any) -> str:
     """The type of ``x`` as an error names it: builtins plain, others with their module
     (``numpy.bool``, not a bare ``bool`` beside the ``bool`` it must be)."""
     t = type(x)
@@ -122,13 +122,13 @@ def _tensor(name: str, x: Any, *, optional: bool = False) -> torch.Tensor | None
     if x is None and optional:
         return None
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor, got {_type_name(x)}: {x!r:.80}")
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type_name(x)}: {x!r:.80}")
     return x
 
 
 def _bool(name: str, x: Any) -> bool:
     if not isinstance(x, bool):
-        raise TypeError(f"`{name}` must be a bool, got {_type_name(x)}: {x!r:.80}")
+        raise TypeError(f"`{name}` must be a bool, got {type_name(x)}: {x!r:.80}")
     return x
 
 
@@ -151,17 +151,17 @@ def _shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> 
 
 def real_number(name: str, x: Any) -> float:
     """A real scalar as a float: int, float, NumPy's real scalars, a one-element real tensor (read
-    with ``.item()``: one synchronisation for a device tensor) that does not require grad (its
-    gradient would be lost). Not bool."""
+    with ``.item()``: one synchronisation for a device tensor), not one that requires grad while
+    grad is enabled (its gradient would be lost). Not bool."""
     if isinstance(x, torch.Tensor):
         if x.numel() != 1 or x.dtype == torch.bool or x.is_complex() or x.device.type == "meta":
             raise TypeError(f"`{name}` must be a real number or a one-element real tensor with a value, got {_fmt(x)}")
-        if x.requires_grad:
+        if x.requires_grad and torch.is_grad_enabled():
             raise TypeError(f"`{name}` is read as a number, and a tensor that requires grad would lose its gradient; "
                             f"pass a number or a detached tensor, got {_fmt(x)} with requires_grad=True")
         x = x.item()
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"`{name}` must be a real number or None, got {_type_name(x)}: {x!r:.80}")
+        raise TypeError(f"`{name}` must be a real number or None, got {type_name(x)}: {x!r:.80}")
     return float(x)
 
 

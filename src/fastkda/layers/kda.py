@@ -28,7 +28,7 @@ from torch import nn
 from .. import seqlens
 from ..api import chunk_kda, fused_recurrent_kda
 from ..dtypes import INDEX_DTYPES
-from ..options import MAX_K, chunk_size_of, cu_seqlens_checked, lower_bound_of, real_number
+from ..options import MAX_K, chunk_size_of, cu_seqlens_checked, lower_bound_of, real_number, type_name
 
 __all__ = ["KimiDeltaAttention", "KDACache", "ShortConvolution", "GatedRMSNorm"]
 
@@ -117,7 +117,8 @@ class ShortConvolution(nn.Module):
             got = f"shape {list(x.shape)}, {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"`x` must be a floating [B, T, hidden_size={self.hidden_size}] tensor, got {got}")
         if cu_seqlens is not None and not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
-                                           and cu_seqlens.dtype in INDEX_DTYPES and x.shape[0] == 1):
+                                           and cu_seqlens.shape[0] >= 1 and cu_seqlens.dtype in INDEX_DTYPES
+                                           and x.shape[0] == 1):
             cu_seqlens_checked(cu_seqlens, cu_seqlens_cpu, x.shape[0], x.shape[1], x, False, "x")  # raises
         N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         if cache is not None and (cache.dim() != 3 or cache.shape != (N, self.hidden_size, width)):
@@ -233,7 +234,7 @@ class GatedRMSNorm(nn.Module):
 class KDACache:
     """Per-layer decoding state: ``conv_states[layer] = (q, k, v)`` caches ``[N, dim, conv - 1]``
     (None for a layer without the convolution) and ``recurrent_states[layer]`` ``[N, HV, K, V]``
-    float32; N sequences."""
+    float32 (float64 for float64 inputs); N sequences."""
 
     conv_states: dict = field(default_factory=dict)
     recurrent_states: dict = field(default_factory=dict)
@@ -253,7 +254,7 @@ RECURRENT_MAX_TOKENS = 64  # inference inputs of at most this many tokens take t
 
 def _bool(name: str, x) -> bool:
     if not isinstance(x, bool):
-        raise TypeError(f"`{name}` must be a bool, got {type(x).__name__}: {x!r:.80}")
+        raise TypeError(f"`{name}` must be a bool, got {type_name(x)}: {x!r:.80}")
     return x
 
 
@@ -417,7 +418,7 @@ class KimiDeltaAttention(nn.Module):
             return True
         return self.mode == "fused_recurrent"
 
-    def _read_cache(self, past_key_values, N: int):
+    def _read_cache(self, past_key_values, N: int, dtype: torch.dtype):
         """``(kind, (conv_q, conv_k, conv_v), recurrent_state)`` of this layer in the cache; kind is
         None (no cache), "kda" (a KDACache) or "layers" (a cache with fla's interface)."""
         if past_key_values is None:
@@ -448,9 +449,11 @@ class KimiDeltaAttention(nn.Module):
         if state is not None:
             HV, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim
             want = (N, HV, V, K) if kind == "layers" else (N, HV, K, V)
-            if tuple(state.shape) != want or state.dtype != torch.float32:
+            dtypes = (torch.float32, torch.float64) if dtype == torch.float64 else (torch.float32,)  # a float64 layer's
+            if tuple(state.shape) != want or state.dtype not in dtypes:
                 raise ValueError(f"`cache` holds a recurrent state of shape {list(state.shape)} and {state.dtype} for "
-                                 f"layer {layer}, but this layer's is {list(want)} float32: a cache of another model?")
+                                 f"layer {layer}, but this layer's is {list(want)} float32 (or float64 for float64 "
+                                 "inputs): a cache of another model?")
         return kind, convs, state
 
     @property
@@ -499,7 +502,7 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"`hidden_states` must be a floating [batch, seq_len, hidden_size={self.hidden_size}] "
                              f"tensor, got shape {list(hidden_states.shape)} and dtype {hidden_states.dtype}")
         if use_cache is not None and not isinstance(use_cache, bool):
-            raise TypeError(f"`use_cache` must be a bool or None, got {type(use_cache).__name__}: {use_cache!r:.80}")
+            raise TypeError(f"`use_cache` must be a bool or None, got {type_name(use_cache)}: {use_cache!r:.80}")
         B, T, _ = hidden_states.shape
         if cu_seqlens is not None:  # shapes, dtypes, devices (the values below, where they are used)
             cu_seqlens_checked(cu_seqlens, cu_seqlens_cpu, B, T, hidden_states, False, "hidden_states")
@@ -518,14 +521,15 @@ class KimiDeltaAttention(nn.Module):
         Bx, Tx = x.shape[:2]
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         N = Bx if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        kind, (conv_q, conv_k, conv_v), state = self._read_cache(past_key_values, N)
+        kind, (conv_q, conv_k, conv_v), state = self._read_cache(past_key_values, N, x.dtype)
         write = kind is not None and bool(use_cache)
         layers_layout = kind == "layers"
         conv_width = self.conv_size if layers_layout else None
         recurrent = self._recurrent(T)
         host = cu_seqlens_cpu
         if cu_seqlens is not None and not torch.compiler.is_compiling() and (
-                not recurrent or (write and self.has_conv and self.conv_size > 1)):  # chunk_kda, the conv cache
+                not recurrent or (write and self.has_conv and self.conv_size > 1)  # chunk_kda, the conv cache
+                or cu_seqlens.device.type == "cpu"):  # (the convolution indexes by them: no device read)
             host = seqlens.host_values(cu_seqlens, cu_seqlens_cpu, Tx)  # read once (or the host copy), checked
         q, conv_q = self._conv("q", self.q_proj(x), conv_q, write, cu_seqlens, host, conv_width)
         k, conv_k = self._conv("k", self.k_proj(x), conv_k, write, cu_seqlens, host, conv_width)
