@@ -126,7 +126,8 @@ def _tensor(name: str, x: Any, *, optional: bool = False) -> torch.Tensor | None
     return x
 
 
-def _bool(name: str, x: Any) -> bool:
+def bool_of(name: str, x: Any) -> bool:
+    """``x``, which must be a bool (not a NumPy bool or an int)."""
     if not isinstance(x, bool):
         raise TypeError(f"`{name}` must be a bool, got {type_name(x)}: {x!r:.80}")
     return x
@@ -438,7 +439,7 @@ def chunk_options(
         return_intermediate_states=return_intermediate_states, state_v_first=state_v_first, use_graph=use_graph,
     )
     for name, val in flags.items():
-        _bool(name, val)
+        bool_of(name, val)
     if max_num_seqs is not None:
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, numbers.Integral) or max_num_seqs < 0:
             raise ValueError(f"`max_num_seqs` must be None or a non-negative int, got {max_num_seqs!r}")
@@ -570,7 +571,7 @@ def _recurrent_checked(
         raise_on_bad_index=raise_on_bad_index,
     )
     for name, val in flags.items():
-        _bool(name, val)
+        bool_of(name, val)
     # decoding must not synchronise with the host: cu_seqlens values are checked only when on the CPU
     shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, None, check_cu_values=None if check_values else False)
     lower_bound = lower_bound_of(lower_bound)

@@ -28,7 +28,7 @@ from torch import nn
 from .. import seqlens
 from ..api import chunk_kda, fused_recurrent_kda
 from ..dtypes import INDEX_DTYPES
-from ..options import MAX_K, chunk_size_of, cu_seqlens_checked, lower_bound_of, real_number, type_name
+from ..options import MAX_K, bool_of, chunk_size_of, cu_seqlens_checked, lower_bound_of, real_number, type_name
 
 __all__ = ["KimiDeltaAttention", "KDACache", "ShortConvolution", "GatedRMSNorm"]
 
@@ -46,6 +46,14 @@ def _int(name: str, x, lo: int, hi: int | None = None, optional: bool = False, w
         what = what or (f"an int in [{lo}, {hi}]" if hi is not None else "a positive int" if lo == 1 else f"an int >= {lo}")
         raise ValueError(f"`{name}` must be {'None or ' if optional else ''}{what}, got {x!r}")
     return int(x)
+
+
+def _positive(name: str, x) -> float:
+    """A positive finite real argument of the layer (``options.real_number``'s kinds) as a float."""
+    x = real_number(name, x)
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"`{name}` must be a positive finite number, got {x!r}")
+    return x
 
 
 EXTERNAL_CONV_DEVICES = ("cuda",)  # where the causal-conv1d package's kernels run
@@ -114,7 +122,7 @@ class ShortConvolution(nn.Module):
             raise ValueError(f"`cache_width` must be kernel_size - 1 = {W - 1} or kernel_size = {W}, got {cache_width!r}")
         if (not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[2] != self.hidden_size
                 or not x.is_floating_point()):
-            got = f"shape {list(x.shape)}, {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            got = f"shape {list(x.shape)}, {x.dtype}" if isinstance(x, torch.Tensor) else type_name(x)
             raise ValueError(f"`x` must be a floating [B, T, hidden_size={self.hidden_size}] tensor, got {got}")
         if cu_seqlens is not None and not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
                                            and cu_seqlens.shape[0] >= 1 and cu_seqlens.dtype in INDEX_DTYPES
@@ -215,9 +223,7 @@ class GatedRMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
-        dim, eps = _int("dim", dim, 1), real_number("eps", eps)
-        if not (math.isfinite(eps) and eps > 0):
-            raise ValueError(f"`eps` must be a positive finite number, got {eps!r}")
+        dim, eps = _int("dim", dim, 1), _positive("eps", eps)
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
@@ -250,12 +256,6 @@ class KDACache:
 _LOW_RANK_NAMES = {"f_a_proj": "f_proj.0", "f_b_proj": "f_proj.1", "g_a_proj": "g_proj.0", "g_b_proj": "g_proj.1"}
 _MODES = ("chunk", "fused_recurrent", "auto")
 RECURRENT_MAX_TOKENS = 64  # inference inputs of at most this many tokens take the recurrent kernel
-
-
-def _bool(name: str, x) -> bool:
-    if not isinstance(x, bool):
-        raise TypeError(f"`{name}` must be a bool, got {type_name(x)}: {x!r:.80}")
-    return x
 
 
 def _is_layer_cache(obj) -> bool:
@@ -314,9 +314,7 @@ class KimiDeltaAttention(nn.Module):
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         if num_v_heads % num_heads:
             raise ValueError(f"`num_v_heads`={num_v_heads} must be a multiple of `num_heads`={num_heads}")
-        expand_v = real_number("expand_v", expand_v)
-        if not (math.isfinite(expand_v) and expand_v > 0):
-            raise ValueError(f"`expand_v` must be a positive finite number, got {expand_v!r}")
+        expand_v = _positive("expand_v", expand_v)
         wanted = head_dim * expand_v
         if head_v_dim is None:
             head_v_dim = round(wanted)
@@ -329,9 +327,9 @@ class KimiDeltaAttention(nn.Module):
                 raise ValueError(f"`head_v_dim`={head_v_dim} disagrees with `expand_v`={expand_v!r} (head_dim * expand_v "
                                  f"= {wanted!r}): give one of them")
             expand_v = head_v_dim / head_dim
-        use_short_conv, conv_bias = _bool("use_short_conv", use_short_conv), _bool("conv_bias", conv_bias)
-        allow_neg_eigval, safe_gate = _bool("allow_neg_eigval", allow_neg_eigval), _bool("safe_gate", safe_gate)
-        force_mode = _bool("force_mode", force_mode)
+        use_short_conv, conv_bias = bool_of("use_short_conv", use_short_conv), bool_of("conv_bias", conv_bias)
+        allow_neg_eigval, safe_gate = bool_of("allow_neg_eigval", allow_neg_eigval), bool_of("safe_gate", safe_gate)
+        force_mode = bool_of("force_mode", force_mode)
         if force_mode and mode == "auto":
             raise ValueError("`force_mode=True` needs `mode` 'chunk' or 'fused_recurrent', got 'auto'")
         conv_size = _int("conv_size", conv_size, 0, what="a non-negative int (0: no convolution)")
@@ -340,9 +338,7 @@ class KimiDeltaAttention(nn.Module):
         lower_bound = lower_bound_of(lower_bound)
         if safe_gate and (lower_bound is None or not -5.0 <= lower_bound < 0.0):
             raise ValueError(f"`safe_gate=True` needs `lower_bound` in [-5, 0), got lower_bound={lower_bound!r}")
-        eps = real_number("norm_eps", norm_eps)
-        if not (math.isfinite(eps) and eps > 0):
-            raise ValueError(f"`norm_eps` must be a positive finite number, got {norm_eps!r}")
+        eps = _positive("norm_eps", norm_eps)
 
         self.hidden_size, self.expand_v, self.head_dim = hidden_size, expand_v, head_dim
         self.num_heads, self.num_v_heads = num_heads, num_v_heads
