@@ -4,6 +4,7 @@ live slots are reported like bad ones; concurrent calls keep their own check; th
 does not synchronise; a pool whose slots overlap in memory is refused before anything runs."""
 
 import contextlib
+import re
 import sys
 import threading
 
@@ -114,6 +115,59 @@ def test_bad_slot_in_a_view_of_a_wider_tensor(backend, rng):
             assert torch.equal(o, torch.zeros_like(o))
             assert "sequence 2 holds a slot outside the pool" in decode_error(DEVICE)
     assert _same_bits(wide, before)
+
+
+BAD_SEQLENS = {  # cu_seqlens of 5 tokens in 3 sequences, and the first sequence they break
+    "decreasing": ([0, 3, 2, 5], 1),
+    "ends_before_T": ([0, 2, 3, 4], 2),
+    "starts_after_0": ([1, 2, 3, 5], 0),
+    "ends_after_T": ([0, 2, 3, 6], 2),
+}
+
+
+@TRITON
+@pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.parametrize("name", list(BAD_SEQLENS))
+def test_bad_cu_seqlens_values_on_the_device(name, pooled, rng, check_path, monkeypatch):
+    """cu_seqlens values on the device are checked there (the call does not synchronise): bad
+    ones, with a pool or per-sequence states, write no state, give zeros in every output row
+    (also rows no sequence covers) and a final state of zeros; decode_error() names the sequence,
+    raise_on_bad_index=True raises. On the CPU tier the host's own check is bypassed, so that the
+    kernel sees the values as it would on a GPU."""
+    import fastkda.options
+
+    if not GPU:
+        monkeypatch.setattr(fastkda.options, "host_values", lambda cu, given, T: cu.to(torch.int64))
+    vals, n = BAD_SEQLENS[name]
+    x = _inputs(rng, B=1, seqlens=(2, 1, 2))
+    del x["output_final_state"]
+    x["cu_seqlens"] = torch.tensor(vals, dtype=torch.int32, device=DEVICE)
+    if pooled:
+        state = torch.randn(4, HV, K, V, generator=rng).to(DEVICE)
+        kw = dict(initial_state=state, ssm_state_indices=torch.tensor([3, 0, 2], device=DEVICE),
+                  inplace_final_state=True)
+    else:
+        state = torch.randn(3, HV, K, V, generator=rng).to(DEVICE)
+        kw = dict(initial_state=state, output_final_state=True)
+    before = state.clone()
+    decode_error(DEVICE)
+    rule = "`cu_seqlens` must start at 0, be non-decreasing and end at"
+    with use_backend("triton"):
+        o, final = fused_recurrent_kda(**x, **kw)
+        assert torch.equal(o, torch.zeros_like(o))
+        if pooled:
+            assert _same_bits(state, before)
+        else:
+            assert torch.equal(final, torch.zeros_like(final)) and _same_bits(state, before)
+        assert decode_error(DEVICE) == f"{rule} the total length T: not so at sequence {n}"
+        raised = f"{rule} T=5: not so at sequence {n} (cu_seqlens[{n}]={vals[n]}, "
+        with pytest.raises(ValueError, match=re.escape(raised)):
+            fused_recurrent_kda(**x, **kw, raise_on_bad_index=True)
+        assert _same_bits(state, before)
+        x["cu_seqlens"] = torch.tensor([0, 2, 3, 5], dtype=torch.int32, device=DEVICE)  # the same call, good
+        o, _ = fused_recurrent_kda(**x, **kw)
+        assert torch.isfinite(o).all() and o.abs().sum() > 0
+    assert decode_error(DEVICE) is None
 
 
 @TRITON

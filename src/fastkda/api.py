@@ -186,9 +186,10 @@ def fused_recurrent_kda(
             nearest; a returned final state other than the pool itself is float32.
         raise_on_bad_index: what a bad pool index (a slot outside ``[0, num_slots)`` other than
             -1, a ``num_accepted_tokens`` outside ``[1, 1 + num_draft]``, more tokens than columns,
-            a slot shared by two sequences of an in-place call) does on the Triton backend, which
-            checks the indices on the device. Either way the call writes no slot and
-            returns zeros, and the decode kernel never touches memory outside the pool. False
+            a slot shared by two sequences of an in-place call) or bad ``cu_seqlens`` values (not
+            from 0, non-decreasing, to T) do on the Triton backend, which checks them on the
+            device. Either way the call writes no state and returns zeros, and the decode kernel
+            never touches memory outside the pool. False
             (default): the call does not synchronise with the host, and :func:`decode_error` reports
             the error later. True: the call reads its check back (one synchronisation) and raises
             ``ValueError``; not while a CUDA graph is being captured (a replay cannot raise; it
@@ -232,15 +233,17 @@ def fused_recurrent_kda(
 
 
 def decode_error(device=None) -> str | None:
-    """What was wrong with the pool indices of the first Triton ``fused_recurrent_kda`` call with
-    ``ssm_state_indices`` on ``device`` (default: the current CUDA device) that did not raise (the
-    default ``raise_on_bad_index=False``, or a graph replay) since the last read, or None if there
-    is none; reading it clears it, and nothing else does: a later call, good or bad, from any
-    thread or stream, neither overwrites nor clears it.
+    """What was wrong with the pool indices or the ``cu_seqlens`` of the first Triton
+    ``fused_recurrent_kda`` call with ``ssm_state_indices`` or ``cu_seqlens`` on ``device``
+    (default: the current CUDA device) that did not raise (the default
+    ``raise_on_bad_index=False``, or a graph replay) since the last read, or None if there is none;
+    reading it clears it, and nothing else does: a later call, good or bad, from any thread or
+    stream, neither overwrites nor clears it.
 
-    Such a call checks its indices on the device (slots in the pool, accepted-token counts, tokens
-    per sequence, and with ``inplace_final_state`` no slot shared by two sequences) and, finding a
-    bad one, writes no slot and returns zeros. An engine calls this after a step or a
+    Such a call checks its indices and boundaries on the device (slots in the pool, accepted-token
+    counts, tokens per sequence, with ``inplace_final_state`` no slot shared by two sequences;
+    cu_seqlens from 0, non-decreasing, to T) and, finding a bad one, writes no state and returns
+    zeros. An engine calls this after a step or a
     graph replay (it reads a device flag: one synchronisation). The PyTorch backend checks on the
     host and raises at once.
     """

@@ -572,7 +572,7 @@ def _recurrent_checked(
     )
     for name, val in flags.items():
         bool_of(name, val)
-    # decoding must not synchronise with the host: cu_seqlens values are checked only when on the CPU
+    # decoding must not synchronise with the host: cu_seqlens values on the device are the kernels' to check
     shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, None, check_cu_values=None if check_values else False)
     lower_bound = lower_bound_of(lower_bound)
     _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, False, lower_bound)

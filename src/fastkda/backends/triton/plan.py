@@ -147,7 +147,7 @@ class Tuning:
     decode_check_rows: int = 1024  # sequences per step of the slot check kernel (each step waits on its loads)
     decode_check_warps: int = 8
     decode_inline_check: int = 32  # calls of at most this many index entries (<= 64): checked by the decode programs
-    decode_slot_check: bool = True  # the device-side slot check (the write kernels bound slots anyway)
+    decode_slot_check: bool = True  # the device-side check of indices and cu_seqlens (kernels bound slots anyway)
     decode_pdl: bool = True  # the decode kernel starts while the check kernel runs
     gate_rows: int = 32
     # device facts (None: the device's own)
@@ -755,10 +755,11 @@ class DecodePlan(NamedTuple):
         """The decode kernel's grid for ``tiles`` (value block, sequence, value head) tiles."""
         return (min(tiles, self.max_programs),)
 
-    def choose(self, pool: bool, entries: int, cols: int, one_token: bool, tiles: int) -> DecodeChoice:
+    def choose(self, checked: bool, entries: int, cols: int, one_token: bool, tiles: int) -> DecodeChoice:
         """The launches of a call with ``entries`` index entries (sequences x ``cols``, the padded
-        columns), ``tiles`` state tiles; ``one_token``: one token per sequence."""
-        check = self.check(pool, entries)
+        columns), ``tiles`` state tiles; ``checked``: a call whose indices or boundaries the device
+        checks (a pool, or cu_seqlens); ``one_token``: one token per sequence."""
+        check = self.check(checked, entries)
         grid = self.grid(tiles)
         return DecodeChoice(check, self.pdl and check == 1, grid, grid[0] == tiles, self.stages if one_token else 1,
                             self.inline_rows(cols) if check == 2 else 1)
@@ -768,11 +769,11 @@ class DecodePlan(NamedTuple):
         (a power of two) columns: the call's ``[rows * cols]^2`` entry pairs stay within 64^2."""
         return max(pow2(self.inline_check) // cols, 1)
 
-    def check(self, pool: bool, entries: int) -> int:
+    def check(self, checked: bool, entries: int) -> int:
         """How a call with ``entries`` index entries (sequences x padded columns) checks them: 0 not
-        at all (no pool, or the check switched off), 1 a check kernel before the decode kernel, 2 in
-        the decode programs (small calls: one launch)."""
-        if not (pool and self.slot_check):
+        at all (nothing to check, or the check switched off), 1 a check kernel before the decode
+        kernel, 2 in the decode programs (small calls: one launch)."""
+        if not (checked and self.slot_check):
             return 0
         return 2 if entries <= self.inline_check else 1
 

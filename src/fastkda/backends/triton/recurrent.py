@@ -2,7 +2,8 @@
 
 A pool call checks its indices (slots in [-1, num_slots), accepted-token counts in
 [1, 1 + num_draft], tokens per sequence <= 1 + num_draft, and with an in-place write no slot
-touched by two sequences) before it writes anything. A small call (the plan's
+touched by two sequences), and a call with cu_seqlens on the device their values (from 0,
+non-decreasing, to T), before it writes anything. A small call (the plan's
 ``decode_inline_check`` index entries or fewer) is one launch: every decode program makes the
 call's error code itself (``call_error``) and writes nothing when it is set. A larger one launches
 ``kda_check_indices_kernel`` first, which leaves the code in a scratch of the call that the decode
@@ -46,20 +47,21 @@ from .common import CompiledLaunch, activate_gate, contiguous_inputs, gate_launc
 from .plan import DecodeChoice, DecodePlan, current_tuning, decode_plan, device_facts, pow2
 
 # error codes: 0 ok; otherwise kind + ERR_BASE * (sequence index)
-ERR_SLOT, ERR_ACCEPTED, ERR_TOKENS, ERR_SHARED = 1, 2, 3, 4
+ERR_SLOT, ERR_ACCEPTED, ERR_TOKENS, ERR_SHARED, ERR_SEQLENS = 1, 2, 3, 4, 5
 ERR_BASE = 8
 # the same codes as kernel constants (a kernel reads only globals that are tl.constexpr)
 _ERR_SLOT, _ERR_ACCEPTED, _ERR_TOKENS = tl.constexpr(ERR_SLOT), tl.constexpr(ERR_ACCEPTED), tl.constexpr(ERR_TOKENS)
-_ERR_SHARED, _ERR_BASE = tl.constexpr(ERR_SHARED), tl.constexpr(ERR_BASE)
+_ERR_SHARED, _ERR_SEQLENS, _ERR_BASE = tl.constexpr(ERR_SHARED), tl.constexpr(ERR_SEQLENS), tl.constexpr(ERR_BASE)
 _NONE = tl.constexpr(2**31 - 1)  # no error yet: above every code, for a running minimum
 
 
 @triton.jit
 def pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS, BC: tl.constexpr, BN: tl.constexpr,
-              SPEC: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Sequences n0 .. n0 + BN of a pool call: (o_n, m_n, their token counts, b_idx [BN, BC] the
-    slots of their index rows, m_touch [BN, BC] the entries whose slot the decode kernel reads or
-    writes: in the pool, of a live sequence, its start column or a column of one of its tokens)."""
+              SPEC: tl.constexpr, IS_VARLEN: tl.constexpr, POOL: tl.constexpr):
+    """Sequences n0 .. n0 + BN of a call: (o_n, m_n, their token counts, b_idx [BN, BC] the slots
+    of their index rows, m_touch [BN, BC] the entries whose slot the decode kernel reads or writes:
+    in the pool, of a live sequence, its start column or a column of one of its tokens). Without
+    a pool (POOL False) no entry touches a slot."""
     o_c = tl.arange(0, BC)
     o_n = n0 + tl.arange(0, BN)
     m_n = o_n < N
@@ -68,7 +70,10 @@ def pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS, BC: t
     else:
         b_len = tl.zeros([BN], tl.int32) + T
     m_e = m_n[:, None] & (o_c < COLS)[None, :]
-    b_idx = tl.load(idx + o_n.to(tl.int64)[:, None] * stride_idx + o_c[None, :], mask=m_e, other=-1).to(tl.int64)
+    if POOL:
+        b_idx = tl.load(idx + o_n.to(tl.int64)[:, None] * stride_idx + o_c[None, :], mask=m_e, other=-1).to(tl.int64)
+    else:
+        b_idx = tl.full([BN, BC], -1, tl.int64)
     m_touch = m_e & (b_idx >= 0) & (b_idx < num_slots)
     if SPEC:
         i_a = tl.minimum(tl.maximum(tl.load(acc + o_n, mask=m_n, other=1).to(tl.int64), 1), COLS) - 1
@@ -79,23 +84,30 @@ def pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS, BC: t
 
 
 @triton.jit
-def rows_first_error(acc, o_n, m_n, b_len, b_idx, num_slots, COLS, SPEC: tl.constexpr):
+def rows_first_error(acc, cu_seqlens, o_n, m_n, b_len, b_idx, N, T, num_slots, COLS, SPEC: tl.constexpr,
+                     IS_VARLEN: tl.constexpr):
     """[BN] per sequence of a pool_rows block: its error code (kind + ERR_BASE * sequence) for a
-    slot outside [-1, num_slots), an accepted-token count outside [1, COLS] or more tokens than
-    COLS; _NONE for a sequence without one."""
+    slot outside [-1, num_slots), an accepted-token count outside [1, COLS], more tokens than
+    COLS, or boundaries cu_seqlens[n], cu_seqlens[n + 1] out of order (or, for the first and the
+    last sequence, not 0 and T); _NONE for a sequence without one."""
     m_bad = (b_idx < -1) | (b_idx >= num_slots)  # the entries outside the rows hold -1
     b_kind = tl.where(tl.sum(m_bad.to(tl.int32), 1) > 0, _ERR_SLOT, 0)
     if SPEC:
         b_a = tl.load(acc + o_n, mask=m_n, other=1).to(tl.int64)
         b_kind = tl.where((b_a < 1) | (b_a > COLS), _ERR_ACCEPTED, b_kind)
         b_kind = tl.where(b_len > COLS, _ERR_TOKENS, b_kind)
+    if IS_VARLEN:  # last: the token counts above mean nothing with these boundaries
+        b_lo = tl.load(cu_seqlens + o_n, mask=m_n, other=0).to(tl.int64)
+        b_hi = tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0).to(tl.int64)
+        m_cu = (b_hi < b_lo) | ((o_n == 0) & (b_lo != 0)) | ((o_n == N - 1) & (b_hi != T))
+        b_kind = tl.where(m_cu, _ERR_SEQLENS, b_kind)
     return tl.where(m_n & (b_kind != 0), b_kind + _ERR_BASE * o_n, _NONE)
 
 
 @triton.jit
 def kda_check_indices_kernel(idx, acc, cu_seqlens, scratch, sticky, N, T, num_slots, stride_idx, COLS,
                              BC: tl.constexpr, BN: tl.constexpr, SPEC: tl.constexpr, IS_VARLEN: tl.constexpr,
-                             KEEP: tl.constexpr, UNIQUE: tl.constexpr, PDL: tl.constexpr):
+                             POOL: tl.constexpr, KEEP: tl.constexpr, UNIQUE: tl.constexpr, PDL: tl.constexpr):
     """scratch[0] <- 0, or the error of the first sequence that has one (kind + ERR_BASE *
     sequence), BN sequences at a time. UNIQUE (an in-place call): every slot the call touches
     belongs to one sequence; scratch[1 + slot] (zeroed here first) takes the largest sequence + 1
@@ -112,8 +124,9 @@ def kda_check_indices_kernel(idx, acc, cu_seqlens, scratch, sticky, N, T, num_sl
         tl.debug_barrier()
     for n0 in range(0, N, BN):
         o_n, m_n, b_len, b_idx, m_touch = pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx, COLS,
-                                                    BC, BN, SPEC, IS_VARLEN)
-        b_first = tl.minimum(b_first, rows_first_error(acc, o_n, m_n, b_len, b_idx, num_slots, COLS, SPEC))
+                                                    BC, BN, SPEC, IS_VARLEN, POOL)
+        b_first = tl.minimum(b_first, rows_first_error(acc, cu_seqlens, o_n, m_n, b_len, b_idx, N, T, num_slots, COLS,
+                                                       SPEC, IS_VARLEN))
         if UNIQUE:
             b_who = tl.zeros([BN, BC], tl.int32) + (o_n + 1)[:, None]
             tl.atomic_max(scratch + 1 + tl.where(m_touch, b_idx, 0), b_who, mask=m_touch)
@@ -121,7 +134,7 @@ def kda_check_indices_kernel(idx, acc, cu_seqlens, scratch, sticky, N, T, num_sl
         tl.debug_barrier()  # every claim is in before any is read back
         for n0 in range(0, N, BN):
             o_n, m_n, b_len, b_idx, m_touch = pool_rows(idx, acc, cu_seqlens, n0, N, T, num_slots, stride_idx,
-                                                        COLS, BC, BN, SPEC, IS_VARLEN)
+                                                        COLS, BC, BN, SPEC, IS_VARLEN, POOL)
             # an atomic read: the claims of every thread of the program, not a cached line
             b_owner = tl.atomic_max(scratch + 1 + tl.where(m_touch, b_idx, 0), tl.zeros([BN, BC], tl.int32),
                                     mask=m_touch)
@@ -136,13 +149,13 @@ def kda_check_indices_kernel(idx, acc, cu_seqlens, scratch, sticky, N, T, num_sl
 
 @triton.jit
 def call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC: tl.constexpr, BN: tl.constexpr,
-               SPEC: tl.constexpr, IS_VARLEN: tl.constexpr, UNIQUE: tl.constexpr):
+               SPEC: tl.constexpr, IS_VARLEN: tl.constexpr, POOL: tl.constexpr, UNIQUE: tl.constexpr):
     """The code kda_check_indices_kernel gives a call of at most BN sequences, made by one program
     from registers (no scratch, no atomics): the decode kernel's own check on small calls. A
     shared slot is found by comparing every touched entry with every other ([BN * BC]^2)."""
     o_n, m_n, b_len, b_idx, m_touch = pool_rows(idx, acc, cu_seqlens, 0, N, T, num_slots, stride_idx, COLS, BC, BN,
-                                                SPEC, IS_VARLEN)
-    b_first = rows_first_error(acc, o_n, m_n, b_len, b_idx, num_slots, COLS, SPEC)
+                                                SPEC, IS_VARLEN, POOL)
+    b_first = rows_first_error(acc, cu_seqlens, o_n, m_n, b_len, b_idx, N, T, num_slots, COLS, SPEC, IS_VARLEN)
     if UNIQUE:
         E: tl.constexpr = BN * BC
         b_s = tl.reshape(tl.where(m_touch, b_idx, -1), [E])  # -1: an entry that touches nothing
@@ -157,8 +170,8 @@ def call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC: tl.c
 
 @triton.jit
 def call_check(idx, acc, cu_seqlens, scratch, N, T, num_slots, stride_idx, COLS, BC: tl.constexpr, BN: tl.constexpr,
-               SPEC: tl.constexpr, IS_VARLEN: tl.constexpr, UNIQUE: tl.constexpr, CHECK: tl.constexpr,
-               PDL: tl.constexpr):
+               SPEC: tl.constexpr, IS_VARLEN: tl.constexpr, POOL: tl.constexpr, UNIQUE: tl.constexpr,
+               CHECK: tl.constexpr, PDL: tl.constexpr):
     """(whether the call may write, its error code or 0) for a decode program. CHECK 0: no check;
     1: the code kda_check_indices_kernel left in scratch[0] (with PDL, waiting for that kernel
     first; the code itself stays there); 2: call_error, made here."""
@@ -169,7 +182,8 @@ def call_check(idx, acc, cu_seqlens, scratch, N, T, num_slots, stride_idx, COLS,
             gdc_wait()
         call_ok = tl.load(scratch) == 0
     elif CHECK == 2:
-        code = call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC, IS_VARLEN, UNIQUE)
+        code = call_error(idx, acc, cu_seqlens, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC, IS_VARLEN, POOL,
+                          UNIQUE)
         call_ok = code == 0
     return call_ok, code
 
@@ -285,7 +299,7 @@ def decode_tile(
     code = 0
     if CHECK_HERE:  # after the tile's loads, whose latency the check then shares
         call_ok, code = call_check(idx, acc, cu_seqlens, scratch, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC,
-                                   IS_VARLEN, INPLACE, CHECK, PDL)
+                                   IS_VARLEN, POOL, INPLACE and POOL, CHECK, PDL)
         live = live & call_ok
     tl.store(p_o, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v & m_t)
     if SPEC and INPLACE:
@@ -300,6 +314,14 @@ def decode_tile(
                 spec_store(h0, idx, b_S, i_n, t, live, num_slots, stride_idx, COLS, stride_hs, stride_hh, i_hv, o_h,
                            m_h)
 
+    if IS_VARLEN and CHECK != 0:
+        if not call_ok:  # rows before the first sequence and after the last get their zeros here
+            i_lo = tl.where(i_n == 0, 0, bos)
+            i_hi = tl.where(i_n == N - 1, T, bos)
+            for r in range(i_lo, bos):
+                tl.store(o + (r * HV + i_hv) * V + o_v, tl.zeros([BV], o.dtype.element_ty), mask=m_v)
+            for r in range(bos + T_seq, i_hi):
+                tl.store(o + (r * HV + i_hv) * V + o_v, tl.zeros([BV], o.dtype.element_ty), mask=m_v)
     if INPLACE and not SPEC:
         if live & m_t:  # an empty sequence writes no slot (on the GPU, arithmetic on a NaN drops its payload)
             tl.store(h0 + slot0 * stride_hs + i_hv * stride_hh + o_h, b_S.to(h0.dtype.element_ty), mask=m_h)
@@ -334,7 +356,7 @@ def kda_recurrent_kernel(
             INPLACE, V_FIRST, IS_VARLEN, H_TILE, CHECK, BC, BN, PDL, ONE_TOKEN, True)
     else:
         call_ok, code = call_check(idx, acc, cu_seqlens, scratch, N, T, num_slots, stride_idx, COLS, BC, BN, SPEC,
-                                   IS_VARLEN, INPLACE, CHECK, PDL)
+                                   IS_VARLEN, POOL, INPLACE and POOL, CHECK, PDL)
         for i_tile in tl.range(tl.program_id(0).to(tl.int64), n_tiles, NPROG, num_stages=STAGES):
             decode_tile(
                 i_tile, q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, idx, acc, scratch, call_ok, scale,
@@ -363,8 +385,8 @@ def sticky_error(device) -> torch.Tensor:
         if buf is None:
             if platform.capturing(device):  # an allocation here would belong to the graph
                 raise RuntimeError(
-                    f"the first fused_recurrent_kda call with `ssm_state_indices` on {device} is being captured into a "
-                    "CUDA graph; make one eager call first (it also compiles the kernels)")
+                    f"the first fused_recurrent_kda call with `ssm_state_indices` or `cu_seqlens` on {device} is being "
+                    "captured into a CUDA graph; make one eager call first (it also compiles the kernels)")
             buf = _STICKY[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return buf
 
@@ -381,10 +403,15 @@ def _touched(n: int, idx, acc, lens) -> set[int]:
 
 
 def describe_error(code: int, num_slots: int | None = None, cols: int | None = None, idx=None, acc=None,
-                   lens=None) -> str:
+                   lens=None, bounds: list | None = None, T: int | None = None) -> str:
     """The message of an error code (the pool size and columns, when known, name the bounds; the
-    index tensors and token counts, when given, the values: read back on the error path only)."""
+    index tensors, token counts and cu_seqlens values, when given, the values: read back on the
+    error path only)."""
     kind, n = code % ERR_BASE, code // ERR_BASE
+    if kind == ERR_SEQLENS:
+        end = f"T={T}" if T is not None else "the total length T"
+        got = f" (cu_seqlens[{n}]={bounds[n]}, cu_seqlens[{n + 1}]={bounds[n + 1]})" if bounds is not None else ""
+        return f"`cu_seqlens` must start at 0, be non-decreasing and end at {end}: not so at sequence {n}{got}"
     if kind == ERR_SLOT:
         pool = f"[0, {num_slots})" if num_slots is not None else "the pool"
         got = f": {idx[n].tolist()}" if idx is not None else ""
@@ -454,10 +481,11 @@ def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen:
     bc = pow2(cols, 1)
     n_tiles = seq_grid(V, plan.BV, N * HV)[0]
     one_token = not varlen and T == 1
-    c = plan.choose(opts.pool, N * bc, bc, one_token, n_tiles)
+    c = plan.choose(opts.pool or varlen, N * bc, bc, one_token, n_tiles)
     scalars = dict(N=N, T=T, num_slots=num_slots, stride_idx=stride_idx, COLS=cols)
-    check_kwargs = dict(**scalars, BC=bc, BN=plan.check_rows, SPEC=opts.spec_decode, IS_VARLEN=varlen, KEEP=not raises,
-                        UNIQUE=opts.inplace_final_state, PDL=c.dependent, **plan.check_launch.kwargs())
+    check_kwargs = dict(**scalars, BC=bc, BN=plan.check_rows, SPEC=opts.spec_decode, IS_VARLEN=varlen, POOL=opts.pool,
+                        KEEP=not raises, UNIQUE=opts.inplace_final_state and opts.pool, PDL=c.dependent,
+                        **plan.check_launch.kwargs())
     check = CompiledLaunch(kda_check_indices_kernel, check_kwargs)
     if n_tiles == 0:
         return DecodeCall(plan, c, cols, num_slots, 0, check, None)
@@ -488,7 +516,8 @@ def recurrent_forward(opts, x):
     x = contiguous_inputs(x, keep=("initial_state",))  # the state is the caller's tensor, indexed by its strides
     h0, idx, acc, cu = x.initial_state, x.ssm_state_indices, x.num_accepted_tokens, x.cu_seqlens
     dev = x.q.device
-    raises = opts.pool and opts.raise_on_bad_index and not platform.capturing(dev)  # reads the check back
+    # a call that checks on the device (a pool, or cu_seqlens) may read its check back
+    raises = (opts.pool or cu is not None) and opts.raise_on_bad_index and not platform.capturing(dev)
     rdev = platform.resolve_device(dev)
     c = decode_call_of(opts, x, raises, rdev)
     check = c.choice.check
@@ -501,7 +530,8 @@ def recurrent_forward(opts, x):
     if check == 2:  # the decode programs check the call themselves
         scratch = torch.empty(1, dtype=torch.int32, device=dev) if raises and c.n_tiles > 0 else None
     elif check == 1:  # this call's error code, then (in place) the owner of every slot
-        scratch = torch.empty(1 + (c.num_slots if opts.inplace_final_state else 0), dtype=torch.int32, device=dev)
+        owners = c.num_slots if opts.inplace_final_state and opts.pool else 0
+        scratch = torch.empty(1 + owners, dtype=torch.int32, device=dev)
         c.run_check((1,), idx, acc, cu, scratch, sticky if not raises else scratch)
     if c.n_tiles > 0:
         c.run_decode(c.choice.grid, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, o, h0, ht, cu, idx, acc, scratch,
@@ -512,7 +542,9 @@ def recurrent_forward(opts, x):
             lens = None
             if code % ERR_BASE == ERR_SHARED:
                 lens = (cu.diff().tolist() if cu is not None else [s.T] * s.N)
-            raise ValueError(describe_error(code, c.num_slots, c.cols, idx, acc, lens) + "; nothing was written")
+            bounds = cu.tolist() if code % ERR_BASE == ERR_SEQLENS else None
+            raise ValueError(describe_error(code, c.num_slots, c.cols, idx, acc, lens, bounds, s.T)
+                             + "; nothing was written")
     if opts.inplace_final_state:
         return o, x.initial_state
     return o, ht
