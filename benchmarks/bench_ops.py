@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import itertools
 import json
 import os
 import statistics
@@ -407,11 +408,11 @@ def bench_backward(cases, done=None):
 DECODE = ([(n, h, 32, 128) for h in (32, 16) for n in (1, 16, 64, 256, 512)]  # (N, H, HV, K = V)
           + [(n, h, 32, 64) for h in (32, 16) for n in (1024, 2048)])
 DECODE_POOLS = (torch.float32, torch.bfloat16)
-# decode launches timed at N=256, H=32, K=V=128: (value columns, warps, stages, programs per SM);
+# decode launches timed at DECODE_SWEEP's sizes: (value columns, warps, stages, programs per SM);
 # 10**6 programs per SM: one program per tile
-DECODE_LAUNCH = [(64, 2, 1, 32), (64, 4, 1, 32), (64, 2, 1, 10**6), (32, 1, 1, 16), (32, 1, 1, 10**6), (64, 2, 2, 4),
-                 (64, 2, 2, 32), (32, 1, 2, 16), (64, 2, 3, 2), (64, 2, 3, 4), (32, 1, 3, 8), (128, 4, 1, 16),
-                 (128, 8, 1, 8)]
+DECODE_LAUNCH = [(64, 2, 1, 32), (32, 1, 1, 16), (64, 2, 2, 4), (64, 2, 3, 2), (64, 2, 3, 4), (32, 1, 3, 8),
+                 (128, 4, 1, 16), (128, 8, 1, 8)]
+DECODE_SWEEP = [(128, 256), (64, 1024)]  # (K = V, N) of the launch sweep, H = 32
 DECODE_ERROR_STEPS = 64
 HOST_ROUNDS, HOST_CALLS = 7, 1000  # host time per eager decode call: rounds of back-to-back calls
 
@@ -545,9 +546,10 @@ def bench_decode(cases):
                     print(f"decode N=1 H={H} HV={HV} K={K} {key:16s} host {host:.1f} us/call (median of rounds)",
                           flush=True)
         rows.append(row)
-    sweep, K = [], 128
-    for pool_dtype in DECODE_POOLS:
-        x, kw, pool, slots = _decode_inputs(256, 32, 32, K, pool_dtype)
+    sweep = []
+    for (K, N), pool_dtype in itertools.product(DECODE_SWEEP, DECODE_POOLS):
+        x, kw, pool, slots = _decode_inputs(N, 32, 32, K, pool_dtype)
+        field = "decode_f32" if pool_dtype == torch.float32 else "decode_bf16_k128" if K > 64 else "decode_bf16"
 
         def decode(state):
             return fastkda.fused_recurrent_kda(*x, initial_state=state, ssm_state_indices=slots,
@@ -557,19 +559,19 @@ def bench_decode(cases):
             base = pool.clone()  # timing below updates `pool` in place: every check starts from `pool0`
             pool0 = pool.clone()
             o_base, _ = decode(base)  # the default launch: every other one must give the same numbers
-            for launch in DECODE_LAUNCH:
-                dl = DecodeLaunch(*launch)
-                with tuned(**{"decode_f32" if pool_dtype == torch.float32 else "decode_bf16_k128": dl}):
+            # the same launch twice where K caps the value columns
+            for dl in dict.fromkeys(DecodeLaunch(min(bv, K), *rest) for bv, *rest in DECODE_LAUNCH):
+                with tuned(**{field: dl}):
                     state = pool0.clone()
                     o, _ = decode(state)
                     err = max(rel_rms(o, o_base), rel_rms(state[slots], base[slots]))
                     ms_g = _graph_ms(lambda: decode(pool))
                 pool_name = str(pool_dtype)[6:]
-                tbps = 2 * 256 * 32 * K * K * pool.element_size() / ms_g / 1e9 if ms_g else None
-                sweep.append({"pool": pool_name, "K": K, "BV": dl.bv, "warps": dl.warps, "stages": dl.stages,
+                tbps = 2 * N * 32 * K * K * pool.element_size() / ms_g / 1e9 if ms_g else None
+                sweep.append({"pool": pool_name, "K": K, "N": N, "BV": dl.bv, "warps": dl.warps, "stages": dl.stages,
                               "programs_per_sm": dl.programs_per_sm, "graph_ms": ms_g, "graph_tbps": tbps,
                               "err_vs_default": err})
-                print(f"decode N=256 H=32 K={K} {pool_name} pool {dl}: graph {ms_g or float('nan'):.4f} ms  "
+                print(f"decode N={N} H=32 K={K} {pool_name} pool {dl}: graph {ms_g or float('nan'):.4f} ms  "
                       f"(output and states vs the default launch: {err:.1e})", flush=True)
     errors = {str(dt)[6:]: decode_pool_error(dt) for dt in DECODE_POOLS}
     print("decode pool error vs float64:", errors, flush=True)
@@ -746,11 +748,11 @@ def render_decode(res):
         tb = f" ({100 * c['graph_tbps'] / bw:.0f}%)" if c.get("graph_tbps") else ""
         return f"BV={c['BV']} {c['warps']} warps{stages}{progs}: {f(c['graph_ms'])} ms{tb}"
 
-    for pool in dict.fromkeys(c.get("pool", "float32") for c in sweep):
-        ks = {c.get("K", 128) for c in sweep if c.get("pool", "float32") == pool}
-        md += ["", f"Launch options of the decode kernel at N=256, H=32, K=V={'/'.join(map(str, sorted(ks)))}, "
-               f"{pool} pool (graph replays, % of copy bandwidth): "
-               + "; ".join(launch(c) for c in sweep if c.get("pool", "float32") == pool) + "."]
+    groups = dict.fromkeys((c.get("pool", "float32"), c.get("K", 128), c.get("N", 256)) for c in sweep)
+    for pool, K, N in groups:
+        md += ["", f"Launch options of the decode kernel at N={N}, H=32, K=V={K}, {pool} pool (graph replays, % of "
+               "copy bandwidth): " + "; ".join(launch(c) for c in sweep if (c.get("pool", "float32"), c.get("K", 128),
+                                                                             c.get("N", 256)) == (pool, K, N)) + "."]
     write_section("gpu-decode", "\n".join(md))
 
 
