@@ -95,6 +95,16 @@ def test_cache_reorder(conv, rng):
         m(x[keep, :11], cache=alone)
         want = m(x[keep, 11:], cache=alone)[0]
     check("decode after reorder", got, want, 1e-6)
+    before = {k: v.clone() for k, v in cache.recurrent_states.items()}
+    rule = r"`index` must be a 1-D int32 or int64 tensor, got "
+    for bad, match in ((torch.tensor([0, 2], device=DEVICE), r"in \[0, 2\), got values from 0 to 2"),
+                       (torch.tensor([-1], device=DEVICE), r"in \[0, 2\), got values from -1 to -1"),
+                       (torch.tensor([[0]], device=DEVICE), rule + "torch.Tensor torch.int64"),
+                       (torch.tensor([0.0], device=DEVICE), rule + "torch.Tensor torch.float32"),
+                       ([0], rule + "list")):
+        with pytest.raises(ValueError, match=match):
+            cache.reorder(bad)
+    assert all(torch.equal(cache.recurrent_states[k], v) for k, v in before.items())
 
 
 def test_short_convolution_kernel_size():

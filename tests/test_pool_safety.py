@@ -170,6 +170,21 @@ def test_bad_cu_seqlens_values_on_the_device(name, pooled, rng, check_path, monk
     assert decode_error(DEVICE) is None
 
 
+def test_cu_seqlens_of_no_sequences_with_tokens(rng, monkeypatch):
+    """cu_seqlens = [0] (no sequence) with tokens: no sequence's program could check it on the
+    device, so the host refuses it from the shapes (here with the host's value check bypassed,
+    as for a GPU cu_seqlens)."""
+    import fastkda.options
+
+    monkeypatch.setattr(fastkda.options, "host_values", lambda cu, given, T: cu.to(torch.int64))
+    x = _inputs(rng, B=1, seqlens=(2, 3))
+    x["cu_seqlens"] = torch.tensor([0], dtype=torch.int32, device=DEVICE)
+    for backend in BACKENDS:
+        match = r"`cu_seqlens` of no sequences \(\[0\]\) needs T = 0 tokens, got T=5"
+        with use_backend(backend), pytest.raises(ValueError, match=match):
+            fused_recurrent_kda(**x)
+
+
 @TRITON
 def test_concurrent_calls_keep_their_own_check(rng, monkeypatch):
     """Several threads decode on one pool at once (one thread's calls name a slot past the pool):

@@ -574,6 +574,8 @@ def _recurrent_checked(
         bool_of(name, val)
     # decoding must not synchronise with the host: cu_seqlens values on the device are the kernels' to check
     shape, scale, cu_host = _core(q, k, v, g, beta, scale, cu_seqlens, None, check_cu_values=None if check_values else False)
+    if cu_seqlens is not None and shape.N == 0 and shape.T > 0:  # no sequence to check them on the device
+        raise ValueError(f"`cu_seqlens` of no sequences ([0]) needs T = 0 tokens, got T={shape.T}")
     lower_bound = lower_bound_of(lower_bound)
     _activation_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval, False, lower_bound)
     gate = _gate_params(use_gate_in_kernel, A_log, dt_bias, lower_bound, shape.HV, shape.K, q)

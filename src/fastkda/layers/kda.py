@@ -246,7 +246,19 @@ class KDACache:
     recurrent_states: dict = field(default_factory=dict)
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Keep sequences ``index`` (beam search, finished sequences)."""
+        """Keep sequences ``index`` (beam search, finished sequences): a 1-D int32/int64 tensor of
+        sequences of the cache, each in [0, N); its values are read back (one synchronisation) and
+        checked before any state moves (an index past N would fault on the GPU)."""
+        if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.dtype not in INDEX_DTYPES:
+            got = f" {index.dtype} of shape {list(index.shape)}" if isinstance(index, torch.Tensor) else ""
+            raise ValueError(f"`index` must be a 1-D int32 or int64 tensor, got {type_name(index)}{got}")
+        sizes = {s.shape[0] for states in self.conv_states.values() for s in states if s is not None}
+        sizes |= {s.shape[0] for s in self.recurrent_states.values()}
+        if sizes and index.numel():
+            lo, hi = torch.aminmax(index)
+            lo, hi, n = int(lo), int(hi), min(sizes)
+            if lo < 0 or hi >= n:
+                raise ValueError(f"`index` must hold sequences of the cache in [0, {n}), got values from {lo} to {hi}")
         for layer, states in self.conv_states.items():
             self.conv_states[layer] = tuple(None if s is None else s.index_select(0, index) for s in states)
         for layer, s in self.recurrent_states.items():
