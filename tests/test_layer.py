@@ -96,6 +96,7 @@ def test_cache_reorder(conv, rng):
         want = m(x[keep, 11:], cache=alone)[0]
     check("decode after reorder", got, want, 1e-6)
     before = {k: v.clone() for k, v in cache.recurrent_states.items()}
+    convs = {k: [None if s is None else s.clone() for s in v] for k, v in cache.conv_states.items()}
     rule = r"`index` must be a 1-D int32 or int64 tensor, got "
     for bad, match in ((torch.tensor([0, 2], device=DEVICE), r"in \[0, 2\), got values from 0 to 2"),
                        (torch.tensor([-1], device=DEVICE), r"in \[0, 2\), got values from -1 to -1"),
@@ -105,6 +106,8 @@ def test_cache_reorder(conv, rng):
         with pytest.raises(ValueError, match=match):
             cache.reorder(bad)
     assert all(torch.equal(cache.recurrent_states[k], v) for k, v in before.items())
+    for key, states in convs.items():
+        assert all(a is b is None or torch.equal(a, b) for a, b in zip(cache.conv_states[key], states)), key
 
 
 def test_short_convolution_kernel_size():

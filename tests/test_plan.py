@@ -434,11 +434,11 @@ def test_explain_shows_the_decode_plan():
         plan = fastkda.explain(fastkda.fused_recurrent_kda, **x, initial_state=pool,
                                ssm_state_indices=torch.tensor([0, 2, -1], device=DEVICE), inplace_final_state=True).plan
     assert re.search(r"decode plan: tiles of 32 value columns, (\d+) of them over \1 programs \(1 warp each\), "
-                     "slot check in the decode programs$", plan), plan
+                     "index check in the decode programs$", plan), plan
     big = torch.arange(40, device=DEVICE)
     xb = make_inputs(Case(B=40, T=1, K=64, V=64, gate="softplus", dtype=torch.bfloat16, initial_state=False),
                      device=DEVICE)
     with fastkda.use_backend("triton"):
         plan = fastkda.explain(fastkda.fused_recurrent_kda, **xb, initial_state=pool.new_zeros(40, *pool.shape[1:]),
                                ssm_state_indices=big, inplace_final_state=True).plan
-    assert "slot check kernel" in plan, plan
+    assert "index check kernel" in plan, plan

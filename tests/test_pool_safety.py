@@ -125,19 +125,30 @@ BAD_SEQLENS = {  # cu_seqlens of 5 tokens in 3 sequences, and the first sequence
 }
 
 
-@TRITON
-@pytest.mark.parametrize("pooled", [True, False])
-@pytest.mark.parametrize("name", list(BAD_SEQLENS))
-def test_bad_cu_seqlens_values_on_the_device(name, pooled, rng, check_path, monkeypatch):
-    """cu_seqlens values on the device are checked there (the call does not synchronise): bad
-    ones, with a pool or per-sequence states, write no state, give zeros in every output row
-    (also rows no sequence covers) and a final state of zeros; decode_error() names the sequence,
-    raise_on_bad_index=True raises. On the CPU tier the host's own check is bypassed, so that the
-    kernel sees the values as it would on a GPU."""
+def _device_seqlens(monkeypatch):
+    """On the CPU tier, the host's own check of cu_seqlens values bypassed, so that the decode
+    kernel sees them as it would on a GPU (where the host does not read them)."""
     import fastkda.options
 
     if not GPU:
         monkeypatch.setattr(fastkda.options, "host_values", lambda cu, given, T: cu.to(torch.int64))
+
+
+@TRITON
+@pytest.mark.parametrize("programs", ["per_tile", "looping"])
+@pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.parametrize("name", list(BAD_SEQLENS))
+def test_bad_cu_seqlens_values_on_the_device(name, pooled, programs, rng, check_path, tune, monkeypatch):
+    """cu_seqlens values on the device are checked there (the call does not synchronise): bad
+    ones, with a pool or per-sequence states, write no state, give zeros in every output row
+    (also rows no sequence covers) and a final state of zeros; decode_error() names the sequence,
+    raise_on_bad_index=True raises. "looping": two programs loop over the call's six tiles, and a
+    check kernel takes two sequences per step."""
+    from fastkda.backends.triton.plan import DecodeLaunch
+
+    _device_seqlens(monkeypatch)
+    if programs == "looping":
+        tune(sm_count=1, decode_f32=DecodeLaunch(64, 2, 1, 2), decode_check_rows=2)
     vals, n = BAD_SEQLENS[name]
     x = _inputs(rng, B=1, seqlens=(2, 1, 2))
     del x["output_final_state"]
@@ -174,9 +185,7 @@ def test_cu_seqlens_of_no_sequences_with_tokens(rng, monkeypatch):
     """cu_seqlens = [0] (no sequence) with tokens: no sequence's program could check it on the
     device, so the host refuses it from the shapes (here with the host's value check bypassed,
     as for a GPU cu_seqlens)."""
-    import fastkda.options
-
-    monkeypatch.setattr(fastkda.options, "host_values", lambda cu, given, T: cu.to(torch.int64))
+    _device_seqlens(monkeypatch)
     x = _inputs(rng, B=1, seqlens=(2, 3))
     x["cu_seqlens"] = torch.tensor([0], dtype=torch.int32, device=DEVICE)
     for backend in BACKENDS:

@@ -91,12 +91,13 @@ class TritonBackend(Backend):
         if op == "chunk_kda":
             return plan_of(opts, inputs, train=needs_grad(inputs)).describe()
         if op == "fused_recurrent_kda":
-            c = decode_call_of(opts, inputs, opts.pool and opts.raise_on_bad_index,
+            checked = opts.pool or inputs.cu_seqlens is not None  # as recurrent_forward decides
+            c = decode_call_of(opts, inputs, checked and opts.raise_on_bad_index,
                                platform.resolve_device(inputs.q.device))
             p, ch = c.plan, c.choice
             return (f"decode plan: tiles of {p.BV} value columns, {c.n_tiles} of them over {ch.grid[0]} programs "
                     f"({p.launch.warps} warp{'' if p.launch.warps == 1 else 's'} each)"
-                    + {0: "", 1: ", slot check kernel", 2: ", slot check in the decode programs"}[ch.check]
+                    + {0: "", 1: ", index check kernel", 2: ", index check in the decode programs"}[ch.check]
                     + (" (the decode kernel launched while it runs)" if ch.dependent else ""))
         return None
 

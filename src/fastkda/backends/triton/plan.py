@@ -144,7 +144,7 @@ class Tuning:
     decode_bf16: DecodeLaunch = DecodeLaunch(32, 1, 1, 16)  # bfloat16 pools, K <= 64
     decode_bf16_k128: DecodeLaunch = DecodeLaunch(64, 2, 2, 4)  # bfloat16 pools, 64 < K <= 128
     decode_wide: DecodeLaunch = DecodeLaunch(32, 4, 1, 16)  # K > 128
-    decode_check_rows: int = 1024  # sequences per step of the slot check kernel (each step waits on its loads)
+    decode_check_rows: int = 1024  # sequences per step of the index check kernel (each step waits on its loads)
     decode_check_warps: int = 8
     decode_inline_check: int = 32  # calls of at most this many index entries (<= 64): checked by the decode programs
     decode_slot_check: bool = True  # the device-side check of indices and cu_seqlens (kernels bound slots anyway)

@@ -525,8 +525,9 @@ def recurrent_forward(opts, x):
     ht = new_empty(s.N, s.HV, *opts.state_shape, dtype=torch.float32, device=dev) if (
         opts.output_final_state and not opts.inplace_final_state) else None
     scratch = sticky = None
-    if check:
-        sticky = sticky_error(rdev) if not raises else None
+    if check:  # the record exists after a layout's first eager call, raising or not (graphs capture it)
+        sticky = sticky_error(rdev)
+        sticky = None if raises else sticky
     if check == 2:  # the decode programs check the call themselves
         scratch = torch.empty(1, dtype=torch.int32, device=dev) if raises and c.n_tiles > 0 else None
     elif check == 1:  # this call's error code, then (in place) the owner of every slot
