@@ -124,10 +124,8 @@ class ShortConvolution(nn.Module):
                 or not x.is_floating_point()):
             got = f"shape {list(x.shape)}, {x.dtype}" if isinstance(x, torch.Tensor) else type_name(x)
             raise ValueError(f"`x` must be a floating [B, T, hidden_size={self.hidden_size}] tensor, got {got}")
-        if cu_seqlens is not None and not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
-                                           and cu_seqlens.shape[0] >= 1 and cu_seqlens.dtype in INDEX_DTYPES
-                                           and x.shape[0] == 1):
-            cu_seqlens_checked(cu_seqlens, cu_seqlens_cpu, x.shape[0], x.shape[1], x, False, "x")  # raises
+        if cu_seqlens is not None:  # shapes, dtypes, devices (the values where they are read)
+            cu_seqlens_checked(cu_seqlens, cu_seqlens_cpu, x.shape[0], x.shape[1], x, False, "x")
         N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         if cache is not None and (cache.dim() != 3 or cache.shape != (N, self.hidden_size, width)):
             raise ValueError(f"`cache` must be [N, {self.hidden_size}, {width}] with N={N} sequences (the batch, or "

@@ -91,9 +91,7 @@ class TritonBackend(Backend):
         if op == "chunk_kda":
             return plan_of(opts, inputs, train=needs_grad(inputs)).describe()
         if op == "fused_recurrent_kda":
-            checked = opts.pool or inputs.cu_seqlens is not None  # as recurrent_forward decides
-            c = decode_call_of(opts, inputs, checked and opts.raise_on_bad_index,
-                               platform.resolve_device(inputs.q.device))
+            c = decode_call_of(opts, inputs, platform.resolve_device(inputs.q.device))
             p, ch = c.plan, c.choice
             return (f"decode plan: tiles of {p.BV} value columns, {c.n_tiles} of them over {ch.grid[0]} programs "
                     f"({p.launch.warps} warp{'' if p.launch.warps == 1 else 's'} each)"

@@ -462,6 +462,7 @@ class DecodeCall(NamedTuple):
     # (shared by every call of the layout)
     run_check: CompiledLaunch
     run_decode: CompiledLaunch | None
+    raises: bool  # the call reads its check back and raises
 
 
 @functools.lru_cache(maxsize=256)
@@ -488,7 +489,7 @@ def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen:
                         **plan.check_launch.kwargs())
     check = CompiledLaunch(kda_check_indices_kernel, check_kwargs)
     if n_tiles == 0:
-        return DecodeCall(plan, c, cols, num_slots, 0, check, None)
+        return DecodeCall(plan, c, cols, num_slots, 0, check, None, raises)
     strides, h_tile = _state_strides(h0_shape, h0_stride, opts.state_v_first)
     decode_kwargs = dict(
         scale=opts.scale, **scalars, **strides, H=H, HV=HV, K=K, V=V, BK=plan.BK, BV=plan.BV,
@@ -499,12 +500,17 @@ def decode_call(opts, h0_layout: tuple | None, idx_layout: tuple | None, varlen:
         CHECK=c.check, BC=bc, BN=c.check_rows, KEEP=not raises, PDL=c.dependent, ONE_TOKEN=one_token,
         ONE_TILE=c.one_tile, n_tiles=n_tiles, NPROG=c.grid[0], STAGES=c.stages, launch_pdl=c.dependent,
         **plan.launch.kwargs())
-    return DecodeCall(plan, c, cols, num_slots, n_tiles, check, CompiledLaunch(kda_recurrent_kernel, decode_kwargs))
+    return DecodeCall(plan, c, cols, num_slots, n_tiles, check, CompiledLaunch(kda_recurrent_kernel, decode_kwargs),
+                      raises)
 
 
-def decode_call_of(opts, x, raises: bool, dev: torch.device) -> DecodeCall:
-    """decode_call for the inputs ``x`` on ``dev`` (resolved), under the tuning in force."""
+def decode_call_of(opts, x, dev: torch.device) -> DecodeCall:
+    """decode_call for the inputs ``x`` on ``dev`` (resolved), under the tuning in force. A call
+    that checks on the device (a pool, or cu_seqlens) reads its check back with
+    raise_on_bad_index, except while a CUDA graph is being captured."""
     h0, idx = x.initial_state, x.ssm_state_indices
+    raises = ((opts.pool or x.cu_seqlens is not None) and opts.raise_on_bad_index
+              and not platform.capturing(x.q.device))
     return decode_call(opts, None if h0 is None else (h0.shape, h0.stride(), h0.element_size()),
                        None if idx is None else (idx.shape, idx.stride()), x.cu_seqlens is not None,
                        x.A_log is not None, x.dt_bias is not None, raises, dev, platform.dependent_launch(dev),
@@ -516,11 +522,9 @@ def recurrent_forward(opts, x):
     x = contiguous_inputs(x, keep=("initial_state",))  # the state is the caller's tensor, indexed by its strides
     h0, idx, acc, cu = x.initial_state, x.ssm_state_indices, x.num_accepted_tokens, x.cu_seqlens
     dev = x.q.device
-    # a call that checks on the device (a pool, or cu_seqlens) may read its check back
-    raises = (opts.pool or cu is not None) and opts.raise_on_bad_index and not platform.capturing(dev)
     rdev = platform.resolve_device(dev)
-    c = decode_call_of(opts, x, raises, rdev)
-    check = c.choice.check
+    c = decode_call_of(opts, x, rdev)
+    check, raises = c.choice.check, c.raises
     o = new_empty(s.B, s.T, s.HV, s.V, dtype=x.v.dtype, device=dev)
     ht = new_empty(s.N, s.HV, *opts.state_shape, dtype=torch.float32, device=dev) if (
         opts.output_final_state and not opts.inplace_final_state) else None
