@@ -31,7 +31,8 @@ def h0(n=B, dtype=torch.float32, vfirst=False):
 
 
 CHUNK_RULES = [
-    ("A_log missing", dict(use_gate_in_kernel=True), ValueError, r"`A_log` must be given.*A_log=None"),
+    ("A_log missing", dict(use_gate_in_kernel=True), ValueError,
+     r"^`A_log` must be given when `use_gate_in_kernel=True` and `lower_bound` is None, got A_log=None$"),
     ("safe_gate in-kernel without lower_bound", dict(safe_gate=True, use_gate_in_kernel=True, A_log=torch.randn(HV)), ValueError, r"`lower_bound` must be given, in \[-5, 0\), when `safe_gate=True` and `use_gate_in_kernel=True`, got lower_bound=None"),
     ("safe_gate lower_bound < -5", dict(safe_gate=True, lower_bound=-5.5), ValueError, r"lower_bound=-5\.5"),
     ("safe_gate lower_bound 0", dict(safe_gate=True, lower_bound=0.0), ValueError, r"finite negative.*0\.0"),

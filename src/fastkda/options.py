@@ -198,16 +198,16 @@ def chunk_size_of(chunk_size: Any) -> int:
 
 def _gate_params(
     use_gate_in_kernel: bool, A_log: Any, dt_bias: Any, lower_bound: float | None, HV: int, K: int, ref: torch.Tensor,
-    ref_name: str = "q",
+    ref_name: str = "q", flag: str | None = "use_gate_in_kernel",
 ) -> GateMode:
-    """The gate mode; ``ref`` (named ``ref_name`` in errors, "q" for the operators, whose errors
-    also name ``use_gate_in_kernel``) gives the device."""
+    """The gate mode; ``ref`` (named ``ref_name`` in errors) gives the device; ``flag``: the
+    caller's argument that turned the gate on, named in errors (None: the call is the gate)."""
     if not use_gate_in_kernel:
         return GateMode.PREGATED
     A_log = _tensor("A_log", A_log, optional=True)
     dt_bias = _tensor("dt_bias", dt_bias, optional=True)
     if A_log is None and lower_bound is None:
-        when = "`use_gate_in_kernel=True` and " if ref_name == "q" else ""
+        when = f"`{flag}=True` and " if flag else ""
         raise ValueError(f"`A_log` must be given when {when}`lower_bound` is None, got A_log=None")
     if A_log is not None:
         _float_dtype("A_log", A_log)
@@ -632,7 +632,7 @@ def gate_options(
         raise ValueError(f"`output_dtype` must be a floating torch.dtype, got {output_dtype!r}")
     H, K = g.shape[-2:]
     lower_bound = lower_bound_of(lower_bound)
-    mode = _gate_params(True, A_log, dt_bias, lower_bound, H, K, g, "g")
+    mode = _gate_params(True, A_log, dt_bias, lower_bound, H, K, g, "g", None)
     cu_host = None
     if chunk_size is not None or need_time_axis:  # kda_gate_chunk_cumsum: a chunk size, None included
         if (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1
