@@ -181,6 +181,24 @@ def test_bad_cu_seqlens_values_on_the_device(name, pooled, programs, rng, check_
     assert decode_error(DEVICE) is None
 
 
+@TRITON
+def test_cu_seqlens_past_t_in_speculative_decoding(rng, check_path, monkeypatch):
+    """A boundary past T is reported as such, not as the token count it gives its sequence (more
+    than the index row's columns)."""
+    _device_seqlens(monkeypatch)
+    x = _inputs(rng, B=1, seqlens=(1, 1))
+    del x["output_final_state"]
+    x["cu_seqlens"] = torch.tensor([0, 3, 2], dtype=torch.int32, device=DEVICE)
+    pool = torch.randn(4, HV, K, V, generator=rng).to(DEVICE)
+    before = pool.clone()
+    kw = dict(initial_state=pool, ssm_state_indices=torch.tensor([[0, 1], [2, 3]], device=DEVICE),
+              num_accepted_tokens=torch.tensor([1, 1], device=DEVICE), inplace_final_state=True)
+    match = r"`cu_seqlens` must start at 0, .*not so at sequence 0 \(cu_seqlens\[0\]=0, cu_seqlens\[1\]=3\)"
+    with use_backend("triton"), pytest.raises(ValueError, match=match):
+        fused_recurrent_kda(**x, **kw, raise_on_bad_index=True)
+    assert _same_bits(pool, before)
+
+
 def test_cu_seqlens_of_no_sequences_with_tokens(rng, monkeypatch):
     """cu_seqlens = [0] (no sequence) with tokens: no sequence's program could check it on the
     device, so the host refuses it from the shapes (here with the host's value check bypassed,

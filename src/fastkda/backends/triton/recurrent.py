@@ -88,8 +88,8 @@ def rows_first_error(acc, cu_seqlens, o_n, m_n, b_len, b_idx, N, T, num_slots, C
                      IS_VARLEN: tl.constexpr):
     """[BN] per sequence of a pool_rows block: its error code (kind + ERR_BASE * sequence) for a
     slot outside [-1, num_slots), an accepted-token count outside [1, COLS], more tokens than
-    COLS, or boundaries cu_seqlens[n], cu_seqlens[n + 1] out of order (or, for the first and the
-    last sequence, not 0 and T); _NONE for a sequence without one."""
+    COLS, or boundaries cu_seqlens[n], cu_seqlens[n + 1] out of order or outside [0, T] (or, for the
+    first and the last sequence, not 0 and T); _NONE for a sequence without one."""
     m_bad = (b_idx < -1) | (b_idx >= num_slots)  # the entries outside the rows hold -1
     b_kind = tl.where(tl.sum(m_bad.to(tl.int32), 1) > 0, _ERR_SLOT, 0)
     if SPEC:
@@ -99,7 +99,9 @@ def rows_first_error(acc, cu_seqlens, o_n, m_n, b_len, b_idx, N, T, num_slots, C
     if IS_VARLEN:  # last: the token counts above mean nothing with these boundaries
         b_lo = tl.load(cu_seqlens + o_n, mask=m_n, other=0).to(tl.int64)
         b_hi = tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0).to(tl.int64)
-        m_cu = (b_hi < b_lo) | ((o_n == 0) & (b_lo != 0)) | ((o_n == N - 1) & (b_hi != T))
+        # boundaries outside [0, T] too: with them the token counts above would name the wrong rule
+        m_cu = (b_hi < b_lo) | (b_lo < 0) | (b_hi > T)
+        m_cu |= ((o_n == 0) & (b_lo != 0)) | ((o_n == N - 1) & (b_hi != T))
         b_kind = tl.where(m_cu, _ERR_SEQLENS, b_kind)
     return tl.where(m_n & (b_kind != 0), b_kind + _ERR_BASE * o_n, _NONE)
 
