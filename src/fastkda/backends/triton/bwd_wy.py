@@ -17,13 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import chunk_program
-from .tiles import block_lower, block_sums, cum_gates, load_beta, load_tile, prod, state_ptrs, store_tile, tile_ptr
-
-
-@triton.jit
-def _xcol(xs, r, C: tl.constexpr, o_c, o_i):
-    """Column block r of X [C, 16]: rows above the block are zero (and were never written)."""
-    return tl.load(xs + o_c[:, None] * C + 16 * r + o_i[None, :], mask=(o_c >= 16 * r)[:, None], other=0.0)
+from .tiles import block_lower, block_sum, cum_gates, load_beta, load_tile, prod, state_ptrs, store_tile
 
 
 @triton.jit
@@ -116,58 +110,49 @@ def kda_bwd_k_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
     SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, WHOLE: tl.constexpr,
 ):
-    """Phase B: the contractions over K, row block by row block (dw is overwritten with dkg). With
-    WHOLE, gc holds cumulative gates from the chunk start (the whole-chunk stage 1), and dAkk leaves
-    with its transpose in its upper triangle (for kda_bwd_gate_block_kernel)."""
+    """Phase B: the contractions over K of a whole chunk, feature slice by feature slice (each input
+    read once; dw is overwritten with dkg). With WHOLE, gc holds cumulative gates from the chunk
+    start (the whole-chunk stage 1), and dAkk leaves with its transpose in its upper triangle (for
+    kda_bwd_gate_block_kernel); else block-local sums, to which the blocks before are added."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1, False)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
     i_h = i_hv // (HV // H)
-    o_i = tl.arange(0, 16)
     o_c = tl.arange(0, C)
-    NC: tl.constexpr = C // 16
+    o_cc = o_c[:, None] * C + o_c[None, :]
     ls += i_p * C * C
-    xs += i_p * C * C
     rs += i_p * 2 * C
     s_dL += i_p * C * C
-    s_db += i_p * C
-    for r in range(NC):
-        tr = t0 + 16 * r
-        b_b = load_beta(beta, bos, tr, T_seq, i_hv, o_i, HV, SIGMOID, BETA_SCALE)
-        b_rk = tl.load(rs + C + 16 * r + o_i)
-        b_Xc = _xcol(xs, r, C, o_c, o_i)
-        b_dL = tl.load(s_dL + (16 * r + o_i)[:, None] * C + o_c[None, :])  # [16, C]
-        b_db = tl.load(s_db + 16 * r + o_i)
-        for s in range(0, BK, BS):
-            o_d = s + tl.arange(0, BS)
-            # rows of earlier blocks already hold dkg: X is zero there, so they are not read
-            b_dwC = tl.load(tile_ptr(s_dw, bos + t0, i_hv, HV, K, o_c, o_d),
-                            mask=((o_c >= 16 * r) & (t0 + o_c < T_seq))[:, None] & (o_d < K)[None, :], other=0.0)
-            b_bw = prod(tl.trans(b_Xc), b_dwC, PREC)  # [16, BS]
-            b_G = cum_gates(gc, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
-            if not WHOLE:  # block-local sums: add the blocks before
-                b_G += block_sums(gc, bos, t0, T_seq, i_hv, HV, K, o_d, 0, r)[None, :]
-            b_kg = load_tile(k, bos, tr, T_seq, i_h, H, K, o_i, o_d) * b_rk[:, None] * tl.exp2(b_G)
-            b_db += tl.sum(b_kg * b_bw, 1)
-            b_dL -= prod(b_bw, tl.trans(load_tile(w, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)), PREC)
-            tl.debug_barrier()  # every thread has read rows r.. of dw before they become dkg
-            store_tile(s_dw, b_b[:, None] * b_bw, bos, tr, T_seq, i_hv, HV, K, o_i, o_d)
-        m_low = (16 * r + o_i)[:, None] > o_c[None, :]
-        b_dL = tl.where(m_low, b_dL, 0.0)
-        b_Akk = tl.load(ls + (16 * r + o_i)[:, None] * C + o_c[None, :], mask=m_low, other=0.0)
-        b_db += tl.sum(b_dL * b_Akk, 1)
-        b_dL = b_b[:, None] * b_dL  # dAkk
-        if WHOLE:  # this block's rows up to the diagonal, and transposed above it (in rows read before)
-            o_r = 16 * r + o_i
-            tl.store(s_dL + o_r[:, None] * C + o_c[None, :], b_dL, mask=o_r[:, None] >= o_c[None, :])
-            tl.store(s_dL + o_c[None, :] * C + o_r[:, None], b_dL, mask=m_low)
-        else:
-            tl.store(s_dL + (16 * r + o_i)[:, None] * C + o_c[None, :], b_dL)
-        # beta: through the sigmoid of the logits when it runs in the kernel
-        o_t = tr + o_i
-        m_t = o_t < T_seq
-        p_b = beta + (bos + o_t).to(tl.int64) * HV + i_hv
-        if SIGMOID:
-            b_x = tl.load(p_b, mask=m_t, other=0.0).to(tl.float32)
-            b_db = b_db * BETA_SCALE * tl.sigmoid(b_x) * tl.sigmoid(-b_x)
-        tl.store(dbeta + (bos + o_t).to(tl.int64) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    b_X = block_lower(xs + i_p * C * C, o_c, C)  # X is block lower triangular
+    b_b = load_beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)  # [C]
+    b_rk = tl.load(rs + C + o_c)
+    b_dL = tl.load(s_dL + o_cc)  # phase A's -a u^T (its upper triangle unused)
+    b_db = tl.load(s_db + i_p * C + o_c)
+    for s in range(0, BK, BS):
+        o_d = s + tl.arange(0, BS)
+        b_bw = prod(tl.trans(b_X), load_tile(s_dw, bos, t0, T_seq, i_hv, HV, K, o_c, o_d), PREC)  # [C, BS]
+        b_G = cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+        if not WHOLE:  # block-local sums: add the blocks before each row's
+            for r in tl.static_range(1, C // 16):
+                b_G += tl.where((o_c >= 16 * r)[:, None], block_sum(gc, bos, t0 + 16 * (r - 1), T_seq, i_hv, HV, K,
+                                                                    o_d)[None, :], 0.0)
+        b_kg = load_tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * b_rk[:, None] * tl.exp2(b_G)
+        b_db += tl.sum(b_kg * b_bw, 1)
+        b_dL -= prod(b_bw, tl.trans(load_tile(w, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)), PREC)
+        tl.debug_barrier()  # every thread has read the slice of dw before it becomes dkg
+        store_tile(s_dw, b_b[:, None] * b_bw, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
+    m_low = o_c[:, None] > o_c[None, :]
+    b_dL = tl.where(m_low, b_dL, 0.0)
+    b_db += tl.sum(b_dL * tl.load(ls + o_cc, mask=m_low, other=0.0), 1)
+    b_dL = b_b[:, None] * b_dL  # dAkk, strictly lower
+    if WHOLE:  # and its transpose above the diagonal
+        b_dL += tl.trans(b_dL)
+    tl.store(s_dL + o_cc, b_dL)
+    # beta: through the sigmoid of the logits when it runs in the kernel
+    o_t = t0 + o_c
+    m_t = o_t < T_seq
+    p_b = beta + (bos + o_t).to(tl.int64) * HV + i_hv
+    if SIGMOID:
+        b_x = tl.load(p_b, mask=m_t, other=0.0).to(tl.float32)
+        b_db = b_db * BETA_SCALE * tl.sigmoid(b_x) * tl.sigmoid(-b_x)
+    tl.store(dbeta + (bos + o_t).to(tl.int64) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)

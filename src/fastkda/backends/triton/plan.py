@@ -127,7 +127,7 @@ class Tuning:
     bwd_scan_stages: int = 3
     bwd_state: Launch = Launch(4)
     bwd_v: Launch = Launch(4)
-    bwd_k: Launch = Launch(1)
+    bwd_k: Launch = Launch(2)
     bwd_gate: Launch = Launch(2, 1, 128)
     bwd_gate_block: Launch = Launch(1)
     bwd_gate_block_levels: Launch = Launch(2)  # the split's second pass
