@@ -9,6 +9,7 @@ registers, spill stack and shared memory:
     python tools/compile_check.py launches.jsonl [--arch 90] [--jobs 2]
 
 Exit status 1 when a variant fails to compile (or exceeds the shared memory of the target).
+``./dev test`` runs it after the CPU tier on the launches of that run.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def main():
     p.add_argument("launches")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--quiet", action="store_true", help="print the failures and the count only")
     args = p.parse_args()
     variants = _variants(args.launches)
     print(f"{len(variants)} distinct kernel variants, compiling for sm_{args.arch}", flush=True)
@@ -133,7 +135,8 @@ def main():
     with cf.ProcessPoolExecutor(args.jobs) as pool:
         for ok, line in pool.map(compile_one, variants, [args.arch] * len(variants)):
             bad += not ok
-            print(line, flush=True)
+            if not (ok and args.quiet):
+                print(line, flush=True)
     print(f"{len(variants) - bad} compiled, {bad} failed")
     sys.exit(1 if bad else 0)
 
