@@ -24,6 +24,9 @@ import subprocess
 import sys
 import tempfile
 
+# the test suite's own probe kernels (tests/triton_probes.py) are recorded by module name too
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
 SMEM_LIMIT = {90: 232448, 100: 232448, 80: 166912}  # bytes per block (opt-in maximum)
 DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.float64": "fp64",
           "torch.int32": "i32", "torch.int64": "i64", "torch.int8": "i8", "torch.uint8": "u8", "torch.bool": "i1"}
