@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from .common import chunk_program
-from .tiles import block_lower, block_sum, cum_gates, load_beta, load_tile, prod, state_ptrs, store_tile
+from .tiles import (activate_beta, block_lower, blocks_around, cum_gates, load_beta, load_beta_raw, load_tile, prod,
+                    state_ptrs, store_tile)
 
 
 @triton.jit
@@ -124,7 +125,8 @@ def kda_bwd_k_kernel(
     rs += i_p * 2 * C
     s_dL += i_p * C * C
     b_X = block_lower(xs + i_p * C * C, o_c, C)  # X is block lower triangular
-    b_b = load_beta(beta, bos, t0, T_seq, i_hv, o_c, HV, SIGMOID, BETA_SCALE)  # [C]
+    b_braw = load_beta_raw(beta, bos, t0, T_seq, i_hv, o_c, HV)  # [C], as stored
+    b_b = activate_beta(b_braw, t0, T_seq, o_c, SIGMOID, BETA_SCALE)
     b_rk = tl.load(rs + C + o_c)
     b_dL = tl.load(s_dL + o_cc)  # phase A's -a u^T (its upper triangle unused)
     b_db = tl.load(s_db + i_p * C + o_c)
@@ -133,9 +135,8 @@ def kda_bwd_k_kernel(
         b_bw = prod(tl.trans(b_X), load_tile(s_dw, bos, t0, T_seq, i_hv, HV, K, o_c, o_d), PREC)  # [C, BS]
         b_G = cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
         if not WHOLE:  # block-local sums: add the blocks before each row's
-            for r in tl.static_range(1, C // 16):
-                b_G += tl.where((o_c >= 16 * r)[:, None], block_sum(gc, bos, t0 + 16 * (r - 1), T_seq, i_hv, HV, K,
-                                                                    o_d)[None, :], 0.0)
+            b_before, _ = blocks_around(gc, bos, t0, T_seq, i_hv, HV, K, C // 16, o_c, o_d)
+            b_G += b_before
         b_kg = load_tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * b_rk[:, None] * tl.exp2(b_G)
         b_db += tl.sum(b_kg * b_bw, 1)
         b_dL -= prod(b_bw, tl.trans(load_tile(w, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)), PREC)
@@ -149,10 +150,8 @@ def kda_bwd_k_kernel(
         b_dL += tl.trans(b_dL)
     tl.store(s_dL + o_cc, b_dL)
     # beta: through the sigmoid of the logits when it runs in the kernel
-    o_t = t0 + o_c
-    m_t = o_t < T_seq
-    p_b = beta + (bos + o_t).to(tl.int64) * HV + i_hv
     if SIGMOID:
-        b_x = tl.load(p_b, mask=m_t, other=0.0).to(tl.float32)
+        b_x = b_braw.to(tl.float32)
         b_db = b_db * BETA_SCALE * tl.sigmoid(b_x) * tl.sigmoid(-b_x)
-    tl.store(dbeta + (bos + o_t).to(tl.int64) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    o_t = t0 + o_c
+    tl.store(dbeta + (bos + o_t).to(tl.int64) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=o_t < T_seq)

@@ -294,6 +294,19 @@ def per_block(b_t, C: tl.constexpr):
 
 
 @triton.jit
+def blocks_around(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, NC: tl.constexpr, o_c, o_d):
+    """([C, BS], [C, BS]): for every row of the chunk, the gates of the blocks before its own and of
+    those after it, sums of block sums (each block sum loaded once)."""
+    b_before = tl.zeros([o_c.shape[0], o_d.shape[0]], tl.float32)
+    b_after = tl.zeros([o_c.shape[0], o_d.shape[0]], tl.float32)
+    for b in range(NC):
+        b_s = block_sum(gc, bos, t0 + 16 * b, T_seq, i_hv, HV, K, o_d)[None, :]
+        b_before += tl.where((b < o_c // 16)[:, None], b_s, 0.0)
+        b_after += tl.where((b > o_c // 16)[:, None], b_s, 0.0)
+    return b_before, b_after
+
+
+@triton.jit
 def chunk_form(gok, i_p, SELECT: tl.constexpr, EXACT_SUMS: tl.constexpr):
     """(skip, mid) of chunk slot i_p from its gok word, read once: whether this launch of a split
     pair (the plan's split passes) leaves the chunk to the other (SELECT 1 takes the chunks with gok == 1, middle

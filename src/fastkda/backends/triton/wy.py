@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .common import chunk_program
-from .tiles import (block_lower, block_sums, block_sum, cum_gates, cum_gates_last, gates_after, inv_unit_lower,
+from .tiles import (block_lower, block_sums, blocks_around, cum_gates, cum_gates_last, gates_after, inv_unit_lower,
                     load_beta, load_block, load_tile, prod, store_block, store_tile, tile_ptr)
 
 
@@ -103,19 +103,6 @@ def _cum_gates_lo_where(gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.conste
     return b_x.to(tl.float32)
 
 
-@triton.jit
-def _blocks_around(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, NC: tl.constexpr, o_c, o_d):
-    """([C, BS], [C, BS]): for every row of the chunk, the gates of the blocks before its own and of
-    those after it, sums of block sums (each block sum loaded once)."""
-    b_before = tl.zeros([o_c.shape[0], o_d.shape[0]], tl.float32)
-    b_after = tl.zeros([o_c.shape[0], o_d.shape[0]], tl.float32)
-    for b in range(NC):
-        b_s = block_sum(gc, bos, t0 + 16 * b, T_seq, i_hv, HV, K, o_d)[None, :]
-        b_before += tl.where((b < o_c // 16)[:, None], b_s, 0.0)
-        b_after += tl.where((b > o_c // 16)[:, None], b_s, 0.0)
-    return b_before, b_after
-
-
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_wu_kernel(
     q, k, v, beta, gc, ga, gd, gok, rs, xs, w, u, qg, kd, cu_seqlens, chunk_indices, scale, T,
@@ -160,7 +147,7 @@ def kda_fwd_wu_kernel(
                     - _cum_gates_lo_where(gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, m_x)
             b_d = tl.exp2(b_dG)
         else:  # G: own block's cumulative gates + earlier blocks'; G_last - G: the rest of the block + later blocks'
-            b_before, b_after = _blocks_around(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d)
+            b_before, b_after = blocks_around(gc, bos, t0, T_seq, i_hv, HV, K, NC, o_c, o_d)
             b_e = tl.exp2(cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + b_before)
             b_d = tl.exp2(gates_after(ga, bos, t0, T_seq, i_hv, HV, K, o_c, o_d) + b_after)
         store_tile(qg, b_q * b_e * scale, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
