@@ -125,12 +125,12 @@ class Tuning:
     bwd_scan_bv_crowded: int | None = 128
     bwd_scan_warps: int = 8
     bwd_scan_stages: int = 3
-    bwd_state: Launch = Launch(4)
-    bwd_v: Launch = Launch(4)
+    bwd_state: Launch = Launch(4, 2)  # two stages: the next value slice's loads start early
+    bwd_v: Launch = Launch(4, 2)
     bwd_k: Launch = Launch(2)
     bwd_gate: Launch = Launch(2, 1, 128)
     bwd_gate_block: Launch = Launch(1)
-    bwd_gate_block_levels: Launch = Launch(2)  # the split's second pass
+    bwd_gate_block_levels: Launch = Launch(2, 2)  # the split's second pass
     bwd_dg: Launch = Launch(2, 1, 168)
     bwd_dg_softplus: Launch = Launch(4)  # the softplus derivative's tiles spill at the cap above
     bwd_state_slice: int = 32
