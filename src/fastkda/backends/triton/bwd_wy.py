@@ -135,8 +135,7 @@ def kda_bwd_k_kernel(
         b_bw = prod(tl.trans(b_X), load_tile(s_dw, bos, t0, T_seq, i_hv, HV, K, o_c, o_d), PREC)  # [C, BS]
         b_G = cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)
         if not WHOLE:  # block-local sums: add the blocks before each row's
-            b_before, b_after = blocks_around(gc, bos, t0, T_seq, i_hv, HV, K, C // 16, o_c, o_d)  # b_after unused
-            b_G += b_before
+            b_G += blocks_around(gc, bos, t0, T_seq, i_hv, HV, K, C // 16, o_c, o_d)[0]
         b_kg = load_tile(k, bos, t0, T_seq, i_h, H, K, o_c, o_d) * b_rk[:, None] * tl.exp2(b_G)
         b_db += tl.sum(b_kg * b_bw, 1)
         b_dL -= prod(b_bw, tl.trans(load_tile(w, bos, t0, T_seq, i_hv, HV, K, o_c, o_d)), PREC)
