@@ -377,6 +377,65 @@ def test_whole_chunk_backward_any_gate(axis, split, rng, tune, launch_log):
 
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
+@pytest.mark.parametrize("split", [False, True], ids=["one_launch", "split"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_whole_chunk_clamped_halves(dtype, split, rng, tune):
+    """Strong softplus decays (A_log = log U(7.4, 16), raw gates of spread 2; fla's layer draws A_log
+    = log U(1, 16)): the diagonal blocks past the middle anchor's span take, for 16-bit inputs, the
+    16-token level and the middle anchors of their 8-token halves on gates clamped at -24 (base 2),
+    in the forward's intra kernel and in the gate-gradient kernel alike (IntraPass.clamp). A factor
+    the clamp changes is below 2^-24 either way: the output, the final state and the gradients of q,
+    k, v, g, beta and the initial state are within 10% of the error of the exact levels (clamp 0, run
+    on the same inputs) against the float64 reference (bfloat16 on the CPU tier, 16 seeds: 0.93x to
+    1.07x), those of A_log and dt_bias within 50% or the tolerance (0.8x to 2.1x: few sums, the exact
+    form's error now and then unusually small). float32 inputs keep the exact
+    levels (with the clamp forced their errors, about 1e-7, double: the anchors' exponents reach 96)."""
+    import dataclasses
+
+    from fastkda.backends.triton.backward import gradients
+    from fastkda.backends.triton.common import contiguous_inputs, recorded_launches
+    from fastkda.backends.triton.forward import forward_stages
+    from fastkda.backends.triton.function import plan_of
+
+    tune(split_unbounded=split, whole_backward=True)
+    case = grow(Case(T=256, gate="softplus", dtype=dtype, l2norm=True, beta_sigmoid=True, A_log_range=(2.0, 2.77)), GPU)
+    if GPU:  # the float64 reference's autograd keeps every token's states: one sequence of 1024 tokens
+        case = case.replace(B=1, T=1024)
+    x = make_inputs(case, device=DEVICE, requires_grad=True, generator=rng)
+    o_r, s_r = reference(x)
+    do = torch.randn(o_r.shape, generator=rng).to(device=DEVICE)
+    ds = torch.randn(s_r.shape, generator=rng).to(device=DEVICE)
+    leaves = {n: x[n] for n in GRAD_INPUTS if isinstance(x.get(n), torch.Tensor)}
+    loss = (o_r * do.double()).sum() + (s_r * ds.double()).sum()
+    want = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+    errors = {}
+    with torch.no_grad():
+        x = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in x.items()}
+        opts, inp = plain_options(x, **{n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")})
+        inp = contiguous_inputs(inp)
+        plan = plan_of(opts, inp, train=True)
+        assert {ps.clamp for ps in plan.stage1.passes if ps.exact} == {24.0}, plan.stage1.passes
+        assert all(ps.clamp == 0.0 for ps in plan.stage1.passes if not ps.exact), plan.stage1.passes
+        for form, clamp in (("clamped", 24.0), ("exact", 0.0)):
+            passes = tuple(ps._replace(clamp=clamp if ps.exact else 0.0) for ps in plan.stage1.passes)
+            p = dataclasses.replace(plan, stage1=dataclasses.replace(plan.stage1, passes=passes))
+            with recorded_launches() as log:
+                _, o, ht, _, _ = forward_stages(opts, p, p.forward, inp)
+                stage1, _, _, h, vn = forward_stages(opts, p, p.recompute, inp)
+                got = dict(zip(names, gradients(opts, p, inp, [stage1, h, vn], do.to(o.dtype), ds, True)))
+            gok = [e.args["gok"] for e in log if e.name == "kda_fwd_gates_kernel"][-1]
+            assert 0 in {v & 1 for v in gok.flatten().tolist()}, gok  # chunks past the middle anchor's span
+            errors[form] = {"o": rel_rms(o, o_r), "final_state": rel_rms(ht, s_r),
+                            **{f"d{n}": rel_rms(got[n], want[n]) for n in leaves}}
+    tol = tol_for(dtype, "triton")
+    for name, err in errors["clamped"].items():
+        # dA_log, ddt_bias: few sums over every token, whose rounding errors vary 2x between two forms
+        bound = max(1.5 * errors["exact"][name], tol) if name in ("dA_log", "ddt_bias") else 1.1 * errors["exact"][name]
+        assert err <= bound, (name, err, errors["exact"][name])
+
+
+@pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("chunk_size", [32, 64])
 def test_whole_chunk_gradients_mirrored(chunk_size, rng):
     """The whole-chunk gate kernel reads dAqk and dAkk transposed from their upper triangles: at its

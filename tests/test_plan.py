@@ -257,9 +257,10 @@ def test_stage1_path(gate, safe, dtype, train, whole):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_split_pass_launches(dtype):
-    """The split pair's second pass (the chunks whose diagonal blocks may take four levels) takes its
-    own tiles and launches, in the forward's intra kernel and the backward's gate-block kernel;
-    bounded gates and float32 inputs launch once, with the first pass's."""
+    """The split pair's second pass (the chunks with exact sums or past the middle anchor's span)
+    takes its own tiles and launches, in the forward's intra kernel and the backward's gate-block
+    kernel, and for 16-bit inputs the clamped halves (plan.HALVES_CLAMP) on those diagonal blocks;
+    bounded gates and float32 inputs launch once, with the first pass's (float32: the exact levels)."""
     t = P.Tuning()
     soft = plan_for(opts_for(1, 256, 2, dtype=dtype, gate=GateMode.SOFTPLUS), dtype, train=dtype == torch.bfloat16)
     first = P.IntraPass(dtype == torch.float32, 0 if dtype == torch.float32 else 1, t.intra_whole_slice, t.intra_whole,
@@ -268,8 +269,11 @@ def test_split_pass_launches(dtype):
         assert soft.stage1.passes == (first,)
     else:
         assert soft.stage1.passes == (first, P.IntraPass(True, 2, t.intra_levels_slice, t.intra_whole,
-                                                         t.bwd_gate_block_levels))
+                                                         t.bwd_gate_block_levels, P.HALVES_CLAMP))
         assert f"{t.intra_levels_slice} columns" in soft.describe()
+        assert f"clamped at -{P.HALVES_CLAMP:g}" in soft.describe()
+        one = plan_for(opts_for(1, 256, 2, dtype=dtype, gate=GateMode.SOFTPLUS), dtype, split_unbounded=False)
+        assert one.stage1.passes == (first._replace(exact=True, select=0, clamp=P.HALVES_CLAMP),)
     safe = plan_for(opts_for(1, 256, 2, dtype=dtype, gate=GateMode.LOWER_BOUND, safe_gate=True, lower_bound=-5.0), dtype)
     assert safe.stage1.passes == (P.IntraPass(False, 0, t.intra_whole_slice, t.intra_whole, t.bwd_gate_block),)
     narrow = plan_for(opts_for(1, 256, 2, dtype=dtype, gate=GateMode.SOFTPLUS), dtype, intra_levels_slice=32)

@@ -80,8 +80,8 @@ def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, work: list,
             for ps in plan.stage1.passes:
                 launch(kda_bwd_gate_block_kernel, (NT * (C // 16) * NSB, HV),
                        x.q, x.k, p.gc, p.gd, p.gok, p.rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_tot, scale=opts.scale,
-                       H=H, K=K, BS=b.gate_block_bs, NSK=NSB, EXACT_SUMS=ps.exact, SELECT=ps.select, **where,
-                       PREC=b.pair_prec, **ps.gate_block.kwargs())
+                       H=H, K=K, BS=b.gate_block_bs, NSK=NSB, EXACT_SUMS=ps.exact, SELECT=ps.select, CLAMP=ps.clamp,
+                       **where, PREC=b.pair_prec, **ps.gate_block.kwargs())
             NSG = cdiv(K, b.dg_bs)
             dA_part = alloc(NT, HV, NSG, **f32) if x.A_log is not None else None
             launch(kda_bwd_dg_kernel, (NT * NSG, HV),

@@ -14,9 +14,9 @@ import triton
 import triton.language as tl
 
 from .common import chunk_program, gate_backward
-from .tiles import (anchored_level, block_sums, chunk_form, cum_gates, cum_gates_last, cum_gates_lo,
-                    exclusive_cumsum, gates_after, half_pairs, load_block, load_tile, per_block, prod, row_of,
-                    split_level, store_tile)
+from .tiles import (anchored_level, block_pairs, block_sums, chunk_form, clamped_anchor, cum_gates, cum_gates_last,
+                    cum_gates_lo, exclusive_cumsum, gates_after, half_pairs, load_block, load_tile, per_block, prod,
+                    row_of, split_level, store_tile)
 
 
 @triton.jit
@@ -70,17 +70,18 @@ def _diag_terms(b_dq, b_dkr, b_dkc, b_dAd, b_dKd, m, m_t, b_q, b_k, b_r, b_c, PR
 def kda_bwd_gate_block_kernel(
     q, k, gc, gd, gok, rs, s_dqg, s_dkd, s_dw, s_dA, s_dL, s_tot, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, NSK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, EXACT_SUMS: tl.constexpr, SELECT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, EXACT_SUMS: tl.constexpr, SELECT: tl.constexpr, CLAMP: tl.constexpr,
 ):
     """Phase C after the whole-chunk stage 1 (gc from the chunk start), part 1: 16-token block i_b and
-    feature slice i_s of a chunk (NC * NSK programs per chunk). The block's pairs with earlier
-    columns take the anchor at its first token n (e^(G_i - G_n) e^(G_n - G_j), both <= 1 for any
-    gate), its columns' pairs with later rows the anchor at its last token, the diagonal block the
-    middle anchor (bounded gates; unbounded ones where gok's bit 0 allows) or the four half-segment
-    levels (docs/math.md sections 3 and 5). dq and dk of this value head (before l2norm) replace dqg
-    and dkd; dg's in-block part, the reverse cumulative sum of dG plus the exclusive prefix of the
-    kd terms, replaces dkg in s_dw, and both block totals go to s_tot [slots, NC, 2, K] for
-    kda_bwd_dg_kernel. EXACT_SUMS: exact sums gc + gd; SELECT as intra.kda_fwd_intra_chunk_kernel's."""
+    feature slice i_s of a chunk (NC * NSK programs per chunk). The block's pairs with earlier columns take
+    the anchor at its first token n (e^(G_i - G_n) e^(G_n - G_j), both <= 1 for any gate), its columns'
+    pairs with later rows the anchor at its last token, the diagonal block the middle anchor (bounded gates;
+    unbounded ones where gok's bit 0 allows) or else the four half-segment levels, or with CLAMP > 0 the
+    16-token level and the middle anchors of its 8-token halves on gates clamped at -CLAMP, as the forward's
+    intra kernel (docs/math.md sections 3 and 5). dq and dk of this value head (before l2norm) replace dqg
+    and dkd; dg's in-block part, the reverse cumulative sum of dG plus the exclusive prefix of the kd terms,
+    replaces dkg in s_dw, and both block totals go to s_tot [slots, NC, 2, K] for kda_bwd_dg_kernel.
+    EXACT_SUMS: exact sums gc + gd; SELECT as intra.kda_fwd_intra_chunk_kernel's."""
     NC: tl.constexpr = C // 16
     i_sub, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NC * NSK, False)
     i_b = i_sub // NSK
@@ -150,11 +151,17 @@ def kda_bwd_gate_block_kernel(
         b_e = b_G - b_gm + (b_L - b_lm)
         b_dq, b_dkr, b_dkc = _diag_terms(b_dq, b_dkr, b_dkc, b_dAd, b_dKd, o_i[:, None] > o_i[None, :],
                                          o_i[:, None] < o_i[None, :], b_q, b_k, tl.exp2(b_e), tl.exp2(-b_e), PREC)
-    else:  # unbounded gates: each half-segment level anchored where both factors are <= 1
-        for lvl in tl.static_range(4):
+    else:  # unbounded gates: half-segment levels anchored where both factors are <= 1 (16 tokens, then
+        # 8, 4 and 2, or with CLAMP > 0 the middle anchors of the 8-token halves on clamped gates)
+        for lvl in tl.static_range(1 if CLAMP > 0.0 else 4):
             m, b_r, b_c = anchored_level(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_r, o_d, 16 >> lvl, EXACT_SUMS)
             m_t = half_pairs(o_r[None, :], o_r[:, None], 16 >> lvl)
             b_dq, b_dkr, b_dkc = _diag_terms(b_dq, b_dkr, b_dkc, b_dAd, b_dKd, m, m_t, b_q, b_k, b_r, b_c, PREC)
+        if CLAMP > 0.0:
+            b_e = clamped_anchor(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_r, o_d, 8, CLAMP, EXACT_SUMS)
+            m, m_t = block_pairs(o_i[:, None], o_i[None, :], 1, 8), block_pairs(o_i[None, :], o_i[:, None], 1, 8)
+            b_dq, b_dkr, b_dkc = _diag_terms(b_dq, b_dkr, b_dkc, b_dAd, b_dKd, m, m_t, b_q, b_k, tl.exp2(b_e),
+                                             tl.exp2(-b_e), PREC)
     b_dAii = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dAd, 0.0), 1)[:, None]  # [16, 1]
     # qg = scale q e^G, kd = k e^(G_last - G), kg = k e^G; dq leaves first, its part of dG kept
     b_eG = tl.exp2(b_G)

@@ -136,8 +136,8 @@ def stage1_intra(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs) -> Stage1:
         for ps in s1.passes:
             launch(kda_fwd_intra_chunk_kernel, chunk_grid(NT * 2, HV, s1.heads_first),
                    x.q, x.k, p.gc, p.gd, p.gok, p.rs, p.Aqk, p.ls, scale=opts.scale, H=H, K=K, BK=s1.BK,
-                   BS=ps.bs, PREC=s1.intra_prec, EXACT_SUMS=ps.exact, SELECT=ps.select, L2NORM=opts.qk_l2norm,
-                   **where, **ps.launch.kwargs())
+                   BS=ps.bs, PREC=s1.intra_prec, EXACT_SUMS=ps.exact, SELECT=ps.select, CLAMP=ps.clamp,
+                   L2NORM=opts.qk_l2norm, **where, **ps.launch.kwargs())
     else:
         launch(kda_fwd_intra_kernel, chunk_grid(NT * NC, HV, s1.heads_first),
                x.q, x.k, p.gc, p.ga, p.rs, p.Aqk, p.ls, scale=opts.scale, H=H, K=K, BK=s1.BK, BS=s1.intra_bs,

@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 
 from .common import chunk_program
-from .tiles import (anchored_level, block_pairs, block_sums, chunk_form, cum_gates, cum_gates_lo, gates_after, row_of,
-                    half_pairs, level_products, load_tile, per_block, prod, rnorm, store_block, store_tile)
+from .tiles import (anchored_level, block_pairs, block_sums, chunk_form, clamped_anchor, cum_gates,
+                    cum_gates_lo, gates_after, half_pairs, level_products, load_tile, per_block, prod, rnorm, row_of,
+                    store_block, store_tile)
 
 
 @triton.jit
@@ -107,7 +108,7 @@ def _chained_level(b_r16, b_c16, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr,
     its columns): two exponentials per entry for all levels instead of two per level (docs/math.md
     section 3). S = 16: the middle anchor's own level."""
     if S == 16:
-        return block_pairs(o_c[:, None], o_c[None, :], strict), b_r16, b_c16
+        return block_pairs(o_c[:, None], o_c[None, :], strict, 16), b_r16, b_c16
     C: tl.constexpr = o_c.shape[0]
     o_b = 16 * tl.arange(0, C // 16)  # the blocks' first rows
     o_m = o_b + 8
@@ -159,18 +160,20 @@ def kda_fwd_intra_chunk_kernel(
     q, k, gc, gd, gok, rs, Aqk, ls, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEADS_FIRST: tl.constexpr, PREC: tl.constexpr, EXACT_SUMS: tl.constexpr,
-    SELECT: tl.constexpr,
+    SELECT: tl.constexpr, CLAMP: tl.constexpr,
     L2NORM: tl.constexpr,
 ):
-    """Two programs per chunk: Aqk (times scale; part 0) or Akk (to the scratch ls; part 1) of the
-    whole chunk as [C, C] products level by level, from the cumulative gates of the whole chunk
-    (gc, from the gates kernel in WHOLE mode). For gates of at least -5 (-7.22 in base 2)
-    |G| <= 462, so the difference of two such sums carries an error of about 1e-4 at most. With EXACT_SUMS
-    (unbounded gates) the sums are exact (gc + gd), and the diagonal blocks of a chunk where the
-    middle anchor would make a factor above 2^chunk_gates.DIAG_SPAN (gok = 0) take four levels of half-segment
-    pairs (16, 8, 4, 2 tokens) and the diagonal instead. SELECT (the plan's split passes): 1, only the chunks with
-    gok == 1; 2, only the others; 0, every chunk. The row norms of q and k come from the tiles read here (part 0
-    stores them to rs for the w/u kernel and the backward; the gates kernel then reads neither)."""
+    """Two programs per chunk: Aqk (times scale; part 0) or Akk (to the scratch ls; part 1) of the whole
+    chunk as [C, C] products level by level, from the cumulative gates of the whole chunk (gc, from the
+    gates kernel in WHOLE mode). For gates of at least -5 (-7.22 in base 2) |G| <= 462, so the difference of
+    two such sums carries an error of about 1e-4 at most. With EXACT_SUMS (unbounded gates) the sums are
+    exact (gc + gd), and the diagonal blocks of a chunk where the middle anchor would make a factor above
+    2^chunk_gates.DIAG_SPAN (gok = 0) take four levels of half-segment pairs (16, 8, 4, 2 tokens) and the
+    diagonal instead, or with CLAMP > 0 the 16-token level and the middle anchors of the 8-token halves on
+    gates clamped at -CLAMP (base 2; tiles.clamped_anchor). SELECT (the plan's split passes): 1, only the
+    chunks with gok == 1; 2, only the others; 0, every chunk. The row norms of q and k come from the tiles
+    read here (part 0 stores them to rs for the w/u kernel and the backward; the gates kernel then reads
+    neither)."""
     i_m, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 2, HEADS_FIRST)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
@@ -200,11 +203,16 @@ def kda_fwd_intra_chunk_kernel(
                 m, b_r, b_c = _chained_level(b_r16, b_c16, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m,
                                              C >> lvl, EXACT_SUMS)
                 b_A = _add_level(b_A, b_x, b_k, m, b_r, b_c, PREC)
-        else:  # every exponent <= 0: any gate
-            for lvl in tl.static_range(C // 32 + 4):
+        else:  # every exponent <= 0 (any gate): levels C .. 16, then the half-segment levels of 8, 4 and 2
+            # tokens, or with CLAMP > 0 the middle anchors of the 8-token halves on clamped gates
+            for lvl in tl.static_range(C // 32 + (1 if CLAMP > 0.0 else 4)):
                 m, b_r, b_c = anchored_level(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, C >> lvl,
                                              EXACT_SUMS)
                 b_A = _add_level(b_A, b_x, b_k, m, b_r, b_c, PREC)
+            if CLAMP > 0.0:
+                b_e = clamped_anchor(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, 8, CLAMP, EXACT_SUMS)
+                b_A = _add_level(b_A, b_x, b_k, block_pairs(o_c[:, None], o_c[None, :], 1, 8), tl.exp2(b_e),
+                                 tl.exp2(-b_e), PREC)
             if i_m == 0:  # Aqk's diagonal: factor e^0 = 1
                 b_A += tl.where(o_c[:, None] == o_c[None, :], tl.sum(b_x * b_k, 1)[:, None], 0.0)
     b_rq = rnorm(b_sq, L2NORM)  # [C]

@@ -77,7 +77,7 @@ class Tuning:
     gates_slice: int = 32
     gates_slice_whole: int = 16
     intra_whole_slice: int = 64
-    intra_levels_slice: int = 16  # the split's second pass (chunks that may take the half-segment levels)
+    intra_levels_slice: int = 16  # the split's second pass (chunks with exact sums or past the middle anchor's span)
     wu_slice: int = 32
     wu_slice_x16: int = 64
     # the short path (inference: stage 1 in one kernel over 16-token blocks, the scan over their
@@ -167,6 +167,10 @@ PAIR_PREC_UNBOUNDED = {torch.bfloat16: "tf32x3", torch.float16: "tf32x3", torch.
 # the short path's clamp of unbounded gates (base 2) under its one anchor, for bfloat16 inputs: 8
 # clamped gates span at most 2^96, as the middle anchor's factors do (short.SPAN)
 SHORT_ANCHOR_CLAMP = 12.0
+# 16-bit inputs on the whole-chunk path: the clamp of unbounded gates (base 2) under the middle
+# anchors of the 8-token halves of the diagonal blocks that the middle anchor would overflow: 4
+# clamped gates span at most 2^96 (chunk_gates.DIAG_SPAN), and a factor it changes is below 2^-24
+HALVES_CLAMP = 24.0
 
 _TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("fastkda_triton_tuning", default=Tuning())
 
@@ -276,13 +280,16 @@ def softplus_form(dtype: torch.dtype, interpret: bool, tuning: Tuning) -> int:
 
 class IntraPass(NamedTuple):
     """One launch of the whole-chunk intra kernel (and of the backward's gate-block kernel): which
-    chunks (tiles.chunk_form's SELECT), exact sums or not, feature columns per tile, launches."""
+    chunks (tiles.chunk_form's SELECT), exact sums or not, feature columns per tile, launches, and
+    the clamp of the gates where a chunk's diagonal blocks take their halves' middle anchors (0: the
+    half-segment levels down to 2 tokens)."""
 
     exact: bool
     select: int
     bs: int
     launch: Launch
     gate_block: Launch
+    clamp: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -428,7 +435,10 @@ class ChunkPlan:
         lines = [f"chunk plan: {'training' if self.train else 'inference'}, {self.chunks} chunk slots, "
                  f"products {self.dot.prec}"]
         path = "whole-chunk" if s.whole else "block"
+        clamp = max((p.clamp for p in s.passes), default=0.0)
         lines.append(f"  stage 1: {path} path" + (", exact gate sums" if s.exact_sums else "")
+                     + (f", diagonal blocks past the middle anchor's span: their halves' anchors on gates "
+                        f"clamped at -{clamp:g} (base 2)" if clamp else "")
                      + (f", {len(s.passes)} passes" if s.split else "") + f"; X {_name(s.x_dtype)}"
                      + (" + bfloat16 copy" if s.x_copy else "") + f"; intra {s.intra_prec}, w/u {s.wu_prec}")
         intra = "; ".join(f"{p.bs} columns {_fmt(p.launch)}" for p in s.passes) if s.whole else \
@@ -548,14 +558,19 @@ def _stage1(opts: KDAOptions, dtype: torch.dtype, train: bool, dev: Device, tuni
     if whole:
         intra, bs = _wide(tuning.intra_whole, BK, BK), min(tuning.intra_whole_slice, BK)
         gate_block = _wide(tuning.bwd_gate_block, BK, BV)
+        # unbounded gates of 16-bit inputs: the diagonal blocks past the middle anchor's span take the
+        # 16-token level and their halves' middle anchors on clamped gates (off by at most 2^-24
+        # |q_d k_d| per term: docs/math.md section 3) instead of the levels of 8, 4 and 2 tokens;
+        # float32 inputs keep those exact levels
+        clamp = HALVES_CLAMP if exact and dtype != torch.float32 else 0.0
         if exact and tuning.split_unbounded and dtype != torch.float32:
-            # the second pass holds the chunks whose diagonal blocks may take four levels: narrower
-            # tiles, and more warps without a register cap (the first pass's launches spill there)
+            # the second pass holds the chunks with exact sums or past the middle anchor's span:
+            # narrower tiles, and more warps without a register cap (the first pass's launches spill there)
             passes = (IntraPass(False, 1, bs, intra, gate_block),
                       IntraPass(True, 2, min(tuning.intra_levels_slice, BK), intra,
-                                _wide(tuning.bwd_gate_block_levels, BK, BV)))
+                                _wide(tuning.bwd_gate_block_levels, BK, BV), clamp))
         else:
-            passes = (IntraPass(exact, 0, bs, intra, gate_block),)
+            passes = (IntraPass(exact, 0, bs, intra, gate_block, clamp),)
     x16 = tuning.x_bf16 and dtype == torch.bfloat16
     x_dtype = torch.bfloat16 if x16 and not train else torch.float32
     x_copy = x16 and train and tuning.x_bf16_train

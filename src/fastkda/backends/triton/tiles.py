@@ -252,10 +252,11 @@ def level_products(b_q, b_k, b_g, b_gn, o_i, PREC: tl.constexpr):
 
 
 @triton.jit
-def block_pairs(i, j, strict):
-    """Mask of the pairs (i, j) of the diagonal 16-token blocks with j <= i - strict (the middle
-    anchor's level: intra's _middle_anchor and _chained_level); block_pairs(j, i, ..) is its transpose."""
-    return ((i // 16) == (j // 16)) & (j <= i - strict)
+def block_pairs(i, j, strict, S: tl.constexpr):
+    """Mask of the pairs (i, j) of the same S-token segment with j <= i - strict (S = 16: the middle
+    anchor's level, intra's _middle_anchor and _chained_level; S = 8: the clamped anchor's within the
+    diagonal blocks' halves); block_pairs(j, i, ..) is its transpose."""
+    return ((i // S) == (j // S)) & (j <= i - strict)
 
 
 @triton.jit
@@ -284,6 +285,26 @@ def anchored_level(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: 
     b_r = tl.exp2(tl.minimum(b_e, 0.0))
     b_c = tl.exp2(tl.minimum(-b_e, 0.0))
     return half_pairs(o_c[:, None], o_c[None, :], S), b_r, b_c
+
+
+@triton.jit
+def clamped_anchor(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, o_r, o_d,
+                   S: tl.constexpr, CLAMP: tl.constexpr, EXACT_SUMS: tl.constexpr):
+    """Exponents G_i - G_m [R, BS] of the rows o_r (whole S-token segments of the chunk; m: the middle
+    token of each row's segment; b_G, b_L: cum_gates and cum_gates_lo of those rows) on gates clamped
+    at -CLAMP (base 2): within S/2 CLAMP of 0 whatever the gates, exact but on the pairs whose span
+    holds a clamped gate, whose factors, exact and clamped, are both below 2^-CLAMP (docs/math.md
+    section 3). Each gate is its row's sum less the row before's (exact sums with EXACT_SUMS); a
+    segment's first gate enters no exponent and is taken as 0."""
+    R: tl.constexpr = o_r.shape[0]
+    BS: tl.constexpr = o_d.shape[0]
+    o_p = tl.maximum(o_r - 1, (o_r // S) * S)  # the row before in the same segment (a first row: itself)
+    b_g = b_G - cum_gates(gc, bos, t0, T_seq, i_hv, HV, K, o_p, o_d)
+    if EXACT_SUMS:
+        b_g += b_L - cum_gates_lo(gd, bos, t0, T_seq, i_hv, HV, K, o_p, o_d, EXACT_SUMS)
+    b_s = tl.cumsum(tl.reshape(tl.maximum(b_g, -CLAMP), [R // S, S, BS]), 1)  # sums within each segment
+    b_m = tl.sum(tl.where((tl.arange(0, S) == S // 2)[None, :, None], b_s, 0.0), 1)  # [R // S, BS] at m
+    return tl.reshape(b_s - b_m[:, None, :], [R, BS])
 
 
 @triton.jit
