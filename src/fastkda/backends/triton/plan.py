@@ -77,7 +77,7 @@ class Tuning:
     gates_slice: int = 32
     gates_slice_whole: int = 16
     intra_whole_slice: int = 64
-    intra_levels_slice: int = 16  # the split's second pass (chunks with exact sums or past the middle anchor's span)
+    intra_levels_slice: int = 32  # the split's second pass (chunks with exact sums or past the middle anchor's span)
     wu_slice: int = 32
     wu_slice_x16: int = 64
     # the short path (inference: stage 1 in one kernel over 16-token blocks, the scan over their
@@ -130,7 +130,7 @@ class Tuning:
     bwd_k: Launch = Launch(2)
     bwd_gate: Launch = Launch(2, 1, 128)
     bwd_gate_block: Launch = Launch(1)
-    bwd_gate_block_levels: Launch = Launch(2, 2)  # the split's second pass
+    bwd_gate_block_levels: Launch = Launch(1)  # the split's second pass
     bwd_dg: Launch = Launch(2, 1, 168)
     bwd_dg_softplus: Launch = Launch(4)  # the softplus derivative's tiles spill at the cap above
     bwd_state_slice: int = 32
