@@ -380,8 +380,8 @@ def test_whole_chunk_backward_any_gate(axis, split, rng, tune, launch_log):
 @pytest.mark.parametrize("split", [False, True], ids=["one_launch", "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_whole_chunk_clamped_halves(dtype, split, rng, tune):
-    """Strong softplus decays (A_log = log U(7.4, 16), raw gates of spread 2; fla's layer draws A_log
-    = log U(1, 16)): the diagonal blocks past the middle anchor's span take, for 16-bit inputs, the
+    """Strong softplus decays (A_log drawn from U(2, 2.77), raw gates of spread 2; fla's layer draws
+    A_log = log U(1, 16)): the diagonal blocks past the middle anchor's span take, for 16-bit inputs, the
     16-token level and the middle anchors of their 8-token halves on gates clamped at -24 (base 2),
     in the forward's intra kernel and in the gate-gradient kernel alike (IntraPass.clamp). A factor
     the clamp changes is below 2^-24 either way: the output, the final state and the gradients of q,

@@ -564,8 +564,8 @@ def _stage1(opts: KDAOptions, dtype: torch.dtype, train: bool, dev: Device, tuni
         # float32 inputs keep those exact levels
         clamp = HALVES_CLAMP if exact and dtype != torch.float32 else 0.0
         if exact and tuning.split_unbounded and dtype != torch.float32:
-            # the second pass holds the chunks with exact sums or past the middle anchor's span:
-            # narrower tiles, and more warps without a register cap (the first pass's launches spill there)
+            # the second pass holds the chunks with exact sums or past the middle anchor's span: tiles
+            # narrower than the first pass's (whose 64-column ones spill there) and launches of its own
             passes = (IntraPass(False, 1, bs, intra, gate_block),
                       IntraPass(True, 2, min(tuning.intra_levels_slice, BK), intra,
                                 _wide(tuning.bwd_gate_block_levels, BK, BV), clamp))
