@@ -377,19 +377,22 @@ def test_whole_chunk_backward_any_gate(axis, split, rng, tune, launch_log):
 
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
-@pytest.mark.parametrize("split", [False, True], ids=["one_launch", "split"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype,split", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False),
+                                         (torch.float16, True), (torch.float32, False)],
+                         ids=["bf16", "bf16_split", "fp16", "fp16_split", "f32"])  # float32 launches once
 def test_whole_chunk_clamped_halves(dtype, split, rng, tune):
     """Strong softplus decays (A_log drawn from U(2, 2.77), raw gates of spread 2; fla's layer draws
     A_log = log U(1, 16)): the diagonal blocks past the middle anchor's span take, for 16-bit inputs, the
     16-token level and the middle anchors of their 8-token halves on gates clamped at -24 (base 2),
     in the forward's intra kernel and in the gate-gradient kernel alike (IntraPass.clamp). A factor
     the clamp changes is below 2^-24 either way: the output, the final state and the gradients of q,
-    k, v, g, beta and the initial state are within 10% of the error of the exact levels (clamp 0, run
+    k, v, g, beta and the initial state are within 20% of the error of the exact levels (clamp 0, run
     on the same inputs) against the float64 reference (bfloat16 on the CPU tier, 16 seeds: 0.93x to
     1.07x), those of A_log and dt_bias within 50% or the tolerance (0.8x to 2.1x: few sums, the exact
-    form's error now and then unusually small). float32 inputs keep the exact
-    levels (with the clamp forced their errors, about 1e-7, double: the anchors' exponents reach 96)."""
+    form's error now and then unusually small). float32 inputs keep the exact levels; with the clamp
+    forced on them every error, about 1e-7, is within 3x the exact levels' (the anchors' exponents
+    reach 96; measured 0.8x to 2x; dA_log and dt_bias, 1e-5 to 3e-5: within 3x that or of 1e-5),
+    where a clamp of 2^-12 would show at 1e-4."""
     import dataclasses
 
     from fastkda.backends.triton.backward import gradients
@@ -415,7 +418,8 @@ def test_whole_chunk_clamped_halves(dtype, split, rng, tune):
         opts, inp = plain_options(x, **{n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")})
         inp = contiguous_inputs(inp)
         plan = plan_of(opts, inp, train=True)
-        assert {ps.clamp for ps in plan.stage1.passes if ps.exact} == {24.0}, plan.stage1.passes
+        clamp = 0.0 if dtype == torch.float32 else 24.0  # float32: the exact levels (forced below)
+        assert {ps.clamp for ps in plan.stage1.passes if ps.exact} == {clamp}, plan.stage1.passes
         assert all(ps.clamp == 0.0 for ps in plan.stage1.passes if not ps.exact), plan.stage1.passes
         for form, clamp in (("clamped", 24.0), ("exact", 0.0)):
             passes = tuple(ps._replace(clamp=clamp if ps.exact else 0.0) for ps in plan.stage1.passes)
@@ -430,8 +434,14 @@ def test_whole_chunk_clamped_halves(dtype, split, rng, tune):
                             **{f"d{n}": rel_rms(got[n], want[n]) for n in leaves}}
     tol = tol_for(dtype, "triton")
     for name, err in errors["clamped"].items():
-        # dA_log, ddt_bias: few sums over every token, whose rounding errors vary 2x between two forms
-        bound = max(1.5 * errors["exact"][name], tol) if name in ("dA_log", "ddt_bias") else 1.1 * errors["exact"][name]
+        if dtype == torch.float32:  # the anchors' rounding (exponents up to 96) doubles errors of about 1e-7;
+            # dA_log, ddt_bias (few sums) vary more, by up to 4x of 1e-5 to 3e-5
+            few = name in ("dA_log", "ddt_bias")
+            bound = 3 * (max(errors["exact"][name], 1e-5) if few else errors["exact"][name])
+        elif name in ("dA_log", "ddt_bias"):  # few sums over every token: their rounding varies 2x between forms
+            bound = max(1.5 * errors["exact"][name], tol)
+        else:
+            bound = 1.2 * errors["exact"][name]
         assert err <= bound, (name, err, errors["exact"][name])
 
 

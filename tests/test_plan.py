@@ -276,8 +276,8 @@ def test_split_pass_launches(dtype):
         assert one.stage1.passes == (first._replace(exact=True, select=0, clamp=P.HALVES_CLAMP),)
     safe = plan_for(opts_for(1, 256, 2, dtype=dtype, gate=GateMode.LOWER_BOUND, safe_gate=True, lower_bound=-5.0), dtype)
     assert safe.stage1.passes == (P.IntraPass(False, 0, t.intra_whole_slice, t.intra_whole, t.bwd_gate_block),)
-    narrow = plan_for(opts_for(1, 256, 2, dtype=dtype, gate=GateMode.SOFTPLUS), dtype, intra_levels_slice=32)
-    assert narrow.stage1.passes[-1].bs == (t.intra_whole_slice if dtype == torch.float32 else 32)
+    narrow = plan_for(opts_for(1, 256, 2, dtype=dtype, gate=GateMode.SOFTPLUS), dtype, intra_levels_slice=16)
+    assert narrow.stage1.passes[-1].bs == (t.intra_whole_slice if dtype == torch.float32 else 16)
 
 
 @pytest.mark.parametrize("dtype,train,x_dtype,copy,wu_prec", [

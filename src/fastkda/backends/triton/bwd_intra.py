@@ -151,8 +151,8 @@ def kda_bwd_gate_block_kernel(
         b_e = b_G - b_gm + (b_L - b_lm)
         b_dq, b_dkr, b_dkc = _diag_terms(b_dq, b_dkr, b_dkc, b_dAd, b_dKd, o_i[:, None] > o_i[None, :],
                                          o_i[:, None] < o_i[None, :], b_q, b_k, tl.exp2(b_e), tl.exp2(-b_e), PREC)
-    else:  # unbounded gates: half-segment levels anchored where both factors are <= 1 (16 tokens, then
-        # 8, 4 and 2, or with CLAMP > 0 the middle anchors of the 8-token halves on clamped gates)
+    else:  # unbounded gates: the 16-token level anchored where both factors are <= 1, then the levels of
+        # 8, 4 and 2 tokens alike, or with CLAMP > 0 the 8-token halves' middle anchors on clamped gates
         for lvl in tl.static_range(1 if CLAMP > 0.0 else 4):
             m, b_r, b_c = anchored_level(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_r, o_d, 16 >> lvl, EXACT_SUMS)
             m_t = half_pairs(o_r[None, :], o_r[:, None], 16 >> lvl)

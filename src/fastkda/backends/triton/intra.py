@@ -203,8 +203,8 @@ def kda_fwd_intra_chunk_kernel(
                 m, b_r, b_c = _chained_level(b_r16, b_c16, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, i_m,
                                              C >> lvl, EXACT_SUMS)
                 b_A = _add_level(b_A, b_x, b_k, m, b_r, b_c, PREC)
-        else:  # every exponent <= 0 (any gate): levels C .. 16, then the half-segment levels of 8, 4 and 2
-            # tokens, or with CLAMP > 0 the middle anchors of the 8-token halves on clamped gates
+        else:  # levels C .. 16 (exponents <= 0: any gate), then the half-segment levels of 8, 4 and 2 tokens,
+            # or with CLAMP > 0 the middle anchors of the 8-token halves on clamped gates (factors <= 2^96)
             for lvl in tl.static_range(C // 32 + (1 if CLAMP > 0.0 else 4)):
                 m, b_r, b_c = anchored_level(b_G, b_L, gc, gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, C >> lvl,
                                              EXACT_SUMS)
