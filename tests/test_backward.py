@@ -399,6 +399,7 @@ def test_whole_chunk_clamped_halves(dtype, split, rng, tune):
     from fastkda.backends.triton.common import contiguous_inputs, recorded_launches
     from fastkda.backends.triton.forward import forward_stages
     from fastkda.backends.triton.function import plan_of
+    from fastkda.backends.triton.plan import HALVES_CLAMP
 
     tune(split_unbounded=split, whole_backward=True)
     case = grow(Case(T=256, gate="softplus", dtype=dtype, l2norm=True, beta_sigmoid=True, A_log_range=(2.0, 2.77)), GPU)
@@ -411,23 +412,22 @@ def test_whole_chunk_clamped_halves(dtype, split, rng, tune):
     leaves = {n: x[n] for n in GRAD_INPUTS if isinstance(x.get(n), torch.Tensor)}
     loss = (o_r * do.double()).sum() + (s_r * ds.double()).sum()
     want = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
-    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
     errors = {}
     with torch.no_grad():
         x = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in x.items()}
         opts, inp = plain_options(x, **{n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")})
         inp = contiguous_inputs(inp)
         plan = plan_of(opts, inp, train=True)
-        clamp = 0.0 if dtype == torch.float32 else 24.0  # float32: the exact levels (forced below)
-        assert {ps.clamp for ps in plan.stage1.passes if ps.exact} == {clamp}, plan.stage1.passes
+        planned = 0.0 if dtype == torch.float32 else HALVES_CLAMP  # float32: the exact levels (forced below)
+        assert {ps.clamp for ps in plan.stage1.passes if ps.exact} == {planned}, plan.stage1.passes
         assert all(ps.clamp == 0.0 for ps in plan.stage1.passes if not ps.exact), plan.stage1.passes
-        for form, clamp in (("clamped", 24.0), ("exact", 0.0)):
+        for form, clamp in (("clamped", HALVES_CLAMP), ("exact", 0.0)):
             passes = tuple(ps._replace(clamp=clamp if ps.exact else 0.0) for ps in plan.stage1.passes)
             p = dataclasses.replace(plan, stage1=dataclasses.replace(plan.stage1, passes=passes))
             with recorded_launches() as log:
                 _, o, ht, _, _ = forward_stages(opts, p, p.forward, inp)
                 stage1, _, _, h, vn = forward_stages(opts, p, p.recompute, inp)
-                got = dict(zip(names, gradients(opts, p, inp, [stage1, h, vn], do.to(o.dtype), ds, True)))
+                got = dict(zip(GRAD_INPUTS, gradients(opts, p, inp, [stage1, h, vn], do.to(o.dtype), ds, True)))
             gok = [e.args["gok"] for e in log if e.name == "kda_fwd_gates_kernel"][-1]
             assert 0 in {v & 1 for v in gok.flatten().tolist()}, gok  # chunks past the middle anchor's span
             errors[form] = {"o": rel_rms(o, o_r), "final_state": rel_rms(ht, s_r),
