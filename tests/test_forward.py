@@ -689,7 +689,7 @@ def test_whole_chunk_any_gate(axis, split, rng, tune, launch_log):
         p = stage1_of(launch_log)
         assert p["ga"] is None and p["gd"] is not None, "the whole-chunk path for unbounded gates did not run"
         intra = launched(launch_log, "kda_fwd_intra_chunk_kernel")
-        assert len(intra) == (2 if split and case.dtype != torch.float32 else 1), intra
+        assert len(intra) == (3 if split and case.dtype != torch.float32 else 1), intra
         seen = {v & 1 for v in p["gok"].flatten().tolist()}
         assert forms <= seen, f"diagonal forms {seen}, expected {forms} among them (1: middle anchor, 0: levels)"
         with tuned(whole_unbounded=False):
@@ -845,10 +845,11 @@ def test_tf32_rn_products(rng):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gates_exact_where_needed(dtype, rng, launch_log):
     """Unbounded gates on the whole-chunk path: with split launches (16-bit inputs) the gates kernel
-    keeps plain float32 sums in the chunks that take the middle anchor with small sums (gok == 1),
-    storing no rounding errors there (gd stays as allocated: NaN under poisoning, which every
-    reader of those chunks would show), and exact sums (gc + gd) in the others, which a second pass
-    stores; float32 inputs exact sums everywhere. Against float64 sums of gates activated in float64: the kernel's
+    keeps plain float32 sums in the chunks whose sums stay within the plan's span (gok's bit 1 clear:
+    plan.PLAIN_SUM_SPAN), storing no rounding errors there (gd stays as allocated: NaN under
+    poisoning, which every reader of those chunks would show), and exact sums (gc + gd) in the
+    others, which a second pass stores; float32 inputs exact sums everywhere. Against float64 sums
+    of gates activated in float64: the kernel's
     float32 activation is off by a few units of 2^-24 per gate, times |x| where e^-|x| is taken of
     a rounded x = g + dt_bias (W: |gate| (|x| + 8) 2^-24 summed over the chunk), and the fast
     softplus of 16-bit inputs by up to 3e-7 exp(A_log) more (test_softplus_forms); plain float32
@@ -874,7 +875,7 @@ def test_gates_exact_where_needed(dtype, rng, launch_log):
     slack = (64 * 3e-7 / math.log(2.0)) * a if dtype != torch.float32 else 0.0
     gc, gd = p["gc"].double().view(B, NT, 64, HV, K), p["gd"].double().view(B, NT, 64, HV, K)
     gok = p["gok"].view(B, NT, 1, HV, 1).expand_as(gc)
-    plain = (gok == 1) if dtype != torch.float32 else torch.zeros_like(gc, dtype=torch.bool)
+    plain = (gok & 2) == 0 if dtype != torch.float32 else torch.zeros_like(gc, dtype=torch.bool)
     if dtype != torch.float32:
         assert bool(plain.any()) and bool((~plain).any()), p["gok"]  # both forms of chunk
     err = (gc + gd - exact).abs()

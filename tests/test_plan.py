@@ -257,21 +257,24 @@ def test_stage1_path(gate, safe, dtype, train, whole):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_split_pass_launches(dtype):
-    """The split pair's second pass (the chunks with exact sums or past the middle anchor's span)
-    takes its own tiles and launches, in the forward's intra kernel and the backward's gate-block
-    kernel, and for 16-bit inputs the clamped halves (plan.HALVES_CLAMP) on those diagonal blocks;
-    bounded gates and float32 inputs launch once, with the first pass's (float32: the exact levels)."""
+    """The split's second and third passes (the chunks past the middle anchor's span on plain sums; those
+    with exact sums) take their own tiles and launches, in the forward's intra kernel and the
+    backward's gate-block kernel, and for 16-bit inputs the clamped halves (plan.HALVES_CLAMP) on those
+    diagonal blocks; bounded gates and float32 inputs launch once, with the first pass's (float32:
+    the exact levels). The span of plain sums is the input dtype's (plan.PLAIN_SUM_SPAN)."""
     t = P.Tuning()
     soft = plan_for(opts_for(1, 256, 2, dtype=dtype, gate=GateMode.SOFTPLUS), dtype, train=dtype == torch.bfloat16)
     first = P.IntraPass(dtype == torch.float32, 0 if dtype == torch.float32 else 1, t.intra_whole_slice, t.intra_whole,
                         t.bwd_gate_block)
+    assert soft.stage1.lo_span == {torch.bfloat16: 2048.0, torch.float16: 512.0, torch.float32: 512.0}[dtype]
     if dtype == torch.float32:
         assert soft.stage1.passes == (first,)
     else:
-        assert soft.stage1.passes == (first, P.IntraPass(True, 2, t.intra_levels_slice, t.intra_whole,
-                                                         t.bwd_gate_block_levels, P.HALVES_CLAMP))
+        past = P.IntraPass(False, 2, t.intra_levels_slice, t.intra_whole, t.bwd_gate_block_levels, P.HALVES_CLAMP)
+        assert soft.stage1.passes == (first, past, past._replace(exact=True, select=3))
         assert f"{t.intra_levels_slice} columns" in soft.describe()
         assert f"clamped at -{P.HALVES_CLAMP:g}" in soft.describe()
+        assert f"exact gate sums past {P.PLAIN_SUM_SPAN[dtype]:g} (base 2)" in soft.describe()
         one = plan_for(opts_for(1, 256, 2, dtype=dtype, gate=GateMode.SOFTPLUS), dtype, split_unbounded=False)
         assert one.stage1.passes == (first._replace(exact=True, select=0, clamp=P.HALVES_CLAMP),)
     safe = plan_for(opts_for(1, 256, 2, dtype=dtype, gate=GateMode.LOWER_BOUND, safe_gate=True, lower_bound=-5.0), dtype)

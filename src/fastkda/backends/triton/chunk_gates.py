@@ -17,10 +17,8 @@ from .tiles import cum_gates, cum_gates_last, load_tile, rnorm, store_tile
 
 # unbounded gates: the middle anchor of a chunk's diagonal blocks while every factor stays below
 # 2^DIAG_SPAN (float32 overflows at 2^128; the operands keep a margin of 2^32); otherwise the
-# half-segment levels. Below LO_SPAN (|G|, base 2) a float32 difference of two sums is off by 6e-5 at
-# most, as with bounded gates, so such chunks need no rounding errors (docs/math.md section 3)
+# half-segment levels. Sums within the plan's LO_SPAN need no rounding errors (docs/math.md section 3)
 DIAG_SPAN = tl.constexpr(96.0)
-LO_SPAN = tl.constexpr(512.0)
 
 
 @triton.jit
@@ -82,7 +80,7 @@ def kda_fwd_gates_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
-    WHOLE: tl.constexpr, EXACT_SUMS: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr,
+    WHOLE: tl.constexpr, EXACT_SUMS: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr, LO_SPAN: tl.constexpr,
 ):
     """Block i_b of a chunk: activated gates (ga), block-local cumulative sums (gc), 1/|q| and 1/|k|
     of its rows (rs). With WHOLE, the whole chunk in one program: gc holds the cumulative sums from
@@ -90,10 +88,10 @@ def kda_fwd_gates_kernel(
     (kda_fwd_intra_chunk_kernel), which reads q and k anyway. With EXACT_SUMS (WHOLE for unbounded
     gates) the sums are kept as float32 (gc) plus their rounding errors (gd, float16; exact_cumsum),
     and gok says (bit 0) whether the middle anchor of the chunk's 16-token blocks keeps every
-    exponent within DIAG_SPAN (base 2) and (bit 1) whether its sums reach beyond LO_SPAN. With SPLIT
-    (the plan's split passes) the sums are plain float32 ones, except in the chunks that need
-    exact ones (gok != 1), which a second pass sums again exactly: gd is stored for those chunks
-    alone, and read there alone. FAST: the softplus form (common.softplus)."""
+    exponent within DIAG_SPAN (base 2) and (bit 1) whether its sums reach beyond LO_SPAN (base 2; the
+    plan's, per input dtype). With SPLIT (the plan's split passes) the sums are plain float32 ones,
+    except in the chunks that need exact ones (bit 1), which a second pass sums again exactly: gd is
+    stored for those chunks alone, and read there alone. FAST: the softplus form (common.softplus)."""
     NSUB: tl.constexpr = 1 if WHOLE else C // 16
     i_b, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NSUB, HEADS_FIRST)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
@@ -132,7 +130,7 @@ def kda_fwd_gates_kernel(
             f = (tl.max(b_half) <= DIAG_SPAN).to(tl.int32) + 2 * (tl.min(b_last) < -LO_SPAN).to(tl.int32)
             tl.store(gok + i_p, f)
             if SPLIT:
-                if f != 1:  # exact sums over the plain ones (which set f well within its bounds' margins)
+                if (f & 2) != 0:  # exact sums over the plain ones (which set f well within its bounds' margins)
                     for s in range(0, BK, BS):
                         o_d = s + tl.arange(0, BS)
                         b_g = _activated_gates(g, A_log, dt_bias, lower_bound, bos, t0, T_seq, i_hv, HV, K, o_c, o_d,

@@ -131,6 +131,7 @@ def stage1_intra(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs) -> Stage1:
     launch(kda_fwd_gates_kernel, chunk_grid(NT * (1 if s1.whole else NC), HV, s1.heads_first),
            x.q, x.k, x.g, x.A_log, x.dt_bias, p.gc, p.ga, p.gd, p.gok, p.gl, p.rs, H=H, K=K, BK=s1.BK, BS=s1.gates_bs,
            L2NORM=opts.qk_l2norm, WHOLE=s1.whole, EXACT_SUMS=s1.exact_sums, SPLIT=s1.split, FAST=s1.softplus_form,
+           LO_SPAN=s1.lo_span,
            **gate_launch(opts, x.A_log is not None, x.dt_bias is not None), **where, **s1.gates.kwargs())
     if s1.whole:
         for ps in s1.passes:

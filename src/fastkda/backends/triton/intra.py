@@ -167,13 +167,13 @@ def kda_fwd_intra_chunk_kernel(
     chunk as [C, C] products level by level, from the cumulative gates of the whole chunk (gc, from the
     gates kernel in WHOLE mode). For gates of at least -5 (-7.22 in base 2) |G| <= 462, so the difference of
     two such sums carries an error of about 1e-4 at most. With EXACT_SUMS (unbounded gates) the sums are
-    exact (gc + gd), and the diagonal blocks of a chunk where the middle anchor would make a factor above
-    2^chunk_gates.DIAG_SPAN (gok = 0) take four levels of half-segment pairs (16, 8, 4, 2 tokens) and the
-    diagonal instead, or with CLAMP > 0 the 16-token level and the middle anchors of the 8-token halves on
-    gates clamped at -CLAMP (base 2; tiles.clamped_anchor). SELECT (the plan's split passes): 1, only the
-    chunks with gok == 1; 2, only the others; 0, every chunk. The row norms of q and k come from the tiles
-    read here (part 0 stores them to rs for the w/u kernel and the backward; the gates kernel then reads
-    neither)."""
+    exact (gc + gd). The diagonal blocks of a chunk where the middle anchor would make a factor above
+    2^chunk_gates.DIAG_SPAN (gok's bit 0 clear) take four levels of half-segment pairs (16, 8, 4, 2 tokens)
+    and the diagonal instead, or with CLAMP > 0 the 16-token level and the middle anchors of the 8-token
+    halves on gates clamped at -CLAMP (base 2; tiles.clamped_anchor). SELECT (the plan's split passes): the
+    chunks tiles.chunk_form takes (1: gok == 1; 2: gok == 0; 3: exact sums; 0: all). The row norms of q
+    and k come from the tiles read here (part 0 stores them to rs for the w/u kernel and the backward;
+    the gates kernel then reads neither)."""
     i_m, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 2, HEADS_FIRST)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return

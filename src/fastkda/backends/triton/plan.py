@@ -77,7 +77,7 @@ class Tuning:
     gates_slice: int = 32
     gates_slice_whole: int = 16
     intra_whole_slice: int = 64
-    intra_levels_slice: int = 32  # the split's second pass (chunks with exact sums or past the middle anchor's span)
+    intra_levels_slice: int = 32  # the split's second and third passes (past the middle anchor's span, exact sums)
     wu_slice: int = 32
     wu_slice_x16: int = 64
     # the short path (inference: stage 1 in one kernel over 16-token blocks, the scan over their
@@ -130,7 +130,7 @@ class Tuning:
     bwd_k: Launch = Launch(2)
     bwd_gate: Launch = Launch(2, 1, 128)
     bwd_gate_block: Launch = Launch(1)
-    bwd_gate_block_levels: Launch = Launch(1)  # the split's second pass
+    bwd_gate_block_levels: Launch = Launch(1)  # the split's second and third passes
     bwd_dg: Launch = Launch(2, 1, 168)
     bwd_dg_softplus: Launch = Launch(4)  # the softplus derivative's tiles spill at the cap above
     bwd_state_slice: int = 32
@@ -171,6 +171,11 @@ SHORT_ANCHOR_CLAMP = 12.0
 # anchors of the 8-token halves of the diagonal blocks that the middle anchor would overflow: 4
 # clamped gates span at most 2^96 (chunk_gates.DIAG_SPAN), and a factor it changes is below 2^-24
 HALVES_CLAMP = 24.0
+# unbounded gates on the whole-chunk path: a chunk whose cumulative gates (base 2) stay within this span
+# takes plain float32 sums, off by a few units in the last place of the span (2^-14 at 512, 2^-12 at
+# 2048: a factor error of at most about 2^-11, below a fourth of bfloat16's 2^-9 operand rounding);
+# beyond it, float32 sums plus their rounding errors (docs/math.md section 3)
+PLAIN_SUM_SPAN = {torch.bfloat16: 2048.0, torch.float16: 512.0, torch.float32: 512.0}
 
 _TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("fastkda_triton_tuning", default=Tuning())
 
@@ -285,7 +290,7 @@ class IntraPass(NamedTuple):
     half-segment levels down to 2 tokens)."""
 
     exact: bool
-    select: int
+    select: int  # tiles.chunk_form's SELECT
     bs: int
     launch: Launch
     gate_block: Launch
@@ -298,7 +303,8 @@ class Stage1Plan:
 
     whole: bool  # the whole-chunk path (else the block path)
     exact_sums: bool  # unbounded gates on the whole-chunk path: float32 sums plus rounding errors
-    passes: tuple[IntraPass, ...]  # whole-chunk path: its intra launches (one, or the split pair)
+    lo_span: float  # where the chunks whose sums stay within it (base 2) need no rounding errors
+    passes: tuple[IntraPass, ...]  # whole-chunk path: its intra launches (one, or the split's three)
     heads_first: bool
     softplus_form: int
     x_dtype: torch.dtype  # X as the inverse stores it
@@ -436,7 +442,10 @@ class ChunkPlan:
                  f"products {self.dot.prec}"]
         path = "whole-chunk" if s.whole else "block"
         clamp = max((p.clamp for p in s.passes), default=0.0)
-        lines.append(f"  stage 1: {path} path" + (", exact gate sums" if s.exact_sums else "")
+        sums = ""
+        if s.exact_sums:
+            sums = f", exact gate sums past {s.lo_span:g} (base 2)" if s.split else ", exact gate sums"
+        lines.append(f"  stage 1: {path} path" + sums
                      + (f", diagonal blocks past the middle anchor's span: their halves' anchors on gates "
                         f"clamped at -{clamp:g} (base 2)" if clamp else "")
                      + (f", {len(s.passes)} passes" if s.split else "") + f"; X {_name(s.x_dtype)}"
@@ -564,11 +573,13 @@ def _stage1(opts: KDAOptions, dtype: torch.dtype, train: bool, dev: Device, tuni
         # float32 inputs keep those exact levels
         clamp = HALVES_CLAMP if exact and dtype != torch.float32 else 0.0
         if exact and tuning.split_unbounded and dtype != torch.float32:
-            # the second pass holds the chunks with exact sums or past the middle anchor's span: tiles
-            # narrower than the first pass's (whose 64-column ones spill there) and launches of its own
+            # three passes: the middle anchor on plain sums; the chunks past its span on plain sums; those
+            # with exact sums. The last two take the diagonal blocks' halves: tiles narrower than the
+            # first pass's (whose 64-column ones spill there) and launches of their own
+            levels_bs, levels = min(tuning.intra_levels_slice, BK), _wide(tuning.bwd_gate_block_levels, BK, BV)
             passes = (IntraPass(False, 1, bs, intra, gate_block),
-                      IntraPass(True, 2, min(tuning.intra_levels_slice, BK), intra,
-                                _wide(tuning.bwd_gate_block_levels, BK, BV), clamp))
+                      IntraPass(False, 2, levels_bs, intra, levels, clamp),
+                      IntraPass(True, 3, levels_bs, intra, levels, clamp))
         else:
             passes = (IntraPass(exact, 0, bs, intra, gate_block, clamp),)
     x16 = tuning.x_bf16 and dtype == torch.bfloat16
@@ -578,7 +589,7 @@ def _stage1(opts: KDAOptions, dtype: torch.dtype, train: bool, dev: Device, tuni
     BS = min(tuning.slice, BK, BV)
     intra_prec = _bf16_prec(dev.interpret) if whole and tuning.bf16_products and dtype == torch.bfloat16 else dot.prec
     return Stage1Plan(
-        whole=whole, exact_sums=exact, passes=passes, heads_first=tuning.heads_first,
+        whole=whole, exact_sums=exact, lo_span=PLAIN_SUM_SPAN[dtype], passes=passes, heads_first=tuning.heads_first,
         softplus_form=softplus_form(dtype, dev.interpret, tuning), x_dtype=x_dtype, x_copy=x_copy,
         BK=BK, BS=BS,
         # gates, intra and inverse do not see V: their warps follow K alone

@@ -329,18 +329,22 @@ def blocks_around(gc, bos, t0, T_seq, i_hv, HV: tl.constexpr, K: tl.constexpr, N
 
 @triton.jit
 def chunk_form(gok, i_p, SELECT: tl.constexpr, EXACT_SUMS: tl.constexpr):
-    """(skip, mid) of chunk slot i_p from its gok word, read once: whether this launch of a split
-    pair (the plan's split passes) leaves the chunk to the other (SELECT 1 takes the chunks with gok == 1, middle
-    anchor and small sums; SELECT 2 the others; SELECT 0 every chunk), and whether its diagonal blocks
-    take the middle anchor (always for bounded gates, EXACT_SUMS off; else gok's bit 0)."""
+    """(skip, mid) of chunk slot i_p from its gok word (bit 0: the middle anchor; bit 1: exact sums),
+    read once: whether this launch of the plan's split passes leaves the chunk to another (SELECT 1
+    takes the chunks with gok == 1, middle anchor and plain sums; 2 those with gok == 0, past the
+    middle anchor's span with plain sums; 3 those with exact sums, bit 1; 0 every chunk), and whether
+    its diagonal blocks take the middle anchor (always for bounded gates and SELECT 1, never for
+    SELECT 2, else gok's bit 0)."""
     skip = False
-    mid = True
+    mid = SELECT != 2
     if SELECT != 0 or EXACT_SUMS:  # one return: the compiler visits code after a constexpr-if's return (gok None)
         f = tl.load(gok + i_p)
         if SELECT == 1:
             skip = f != 1
         if SELECT == 2:
-            skip = f == 1
+            skip = f != 0
+        if SELECT == 3:
+            skip = (f & 2) == 0
         if EXACT_SUMS:
             mid = (f & 1) != 0
     return skip, mid

@@ -140,8 +140,8 @@ def kda_fwd_wu_kernel(
             b_dG = b_last[None, :] - b_G
             if EXACT_SUMS:  # plus the difference of the rounding errors (docs/math.md section 3)
                 m_x = tl.full([], 1, tl.int1)
-                if SPLIT:  # stored for the chunks with gok != 1 alone; masked loads, no branch
-                    m_x = tl.load(gok + i_p) != 1
+                if SPLIT:  # stored for the chunks with gok's bit 1 alone; masked loads, no branch
+                    m_x = (tl.load(gok + i_p) & 2) != 0
                 o_last = tl.full([1], C - 1, tl.int32)
                 b_dG += _cum_gates_lo_where(gd, bos, t0, T_seq, i_hv, HV, K, o_last, o_d, m_x) \
                     - _cum_gates_lo_where(gd, bos, t0, T_seq, i_hv, HV, K, o_c, o_d, m_x)
