@@ -376,6 +376,43 @@ def test_whole_chunk_backward_any_gate(axis, split, rng, tune, launch_log):
             check(f"d{name}", got[name], want[name], 1e-6)
 
 
+def _strong_decays(dtype, rng, edit=None):
+    """Inputs of strong softplus decays (A_log drawn from U(2, 2.77); ``edit`` changes them in place)
+    and the float64 reference against them: (inputs, o, final state, do, ds, reference gradients)."""
+    case = grow(Case(T=256, gate="softplus", dtype=dtype, l2norm=True, beta_sigmoid=True, A_log_range=(2.0, 2.77)), GPU)
+    if GPU:  # the float64 reference's autograd keeps every token's states: one sequence of 1024 tokens
+        case = case.replace(B=1, T=1024)
+    x = make_inputs(case, device=DEVICE, requires_grad=True, generator=rng)
+    if edit is not None:
+        with torch.no_grad():
+            edit(x)
+    o_r, s_r = reference(x)
+    do = torch.randn(o_r.shape, generator=rng).to(device=DEVICE)
+    ds = torch.randn(s_r.shape, generator=rng).to(device=DEVICE)
+    leaves = {n: x[n] for n in GRAD_INPUTS if isinstance(x.get(n), torch.Tensor)}
+    loss = (o_r * do.double()).sum() + (s_r * ds.double()).sum()
+    want = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+    x = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in x.items()}
+    return x, o_r, s_r, do, ds, want
+
+
+def _errors_under(plan, opts, inp, o_r, s_r, do, ds, want):
+    """(relative RMS errors of o, the final state and every gradient against the reference, the set
+    of the gates kernel's gok words) of a training step under ``plan``."""
+    from fastkda.backends.triton.backward import gradients
+    from fastkda.backends.triton.common import recorded_launches
+    from fastkda.backends.triton.forward import forward_stages
+
+    with torch.no_grad(), recorded_launches() as log:
+        _, o, ht, _, _ = forward_stages(opts, plan, plan.forward, inp)
+        stage1, _, _, h, vn = forward_stages(opts, plan, plan.recompute, inp)
+        got = dict(zip(GRAD_INPUTS, gradients(opts, plan, inp, [stage1, h, vn], do.to(o.dtype), ds, True)))
+    gok = [e.args["gok"] for e in log if e.name == "kda_fwd_gates_kernel"][-1]
+    errors = {"o": rel_rms(o, o_r), "final_state": rel_rms(ht, s_r),
+              **{f"d{n}": rel_rms(got[n], want[n]) for n in want}}
+    return errors, set(gok.flatten().tolist())
+
+
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
 @pytest.mark.parametrize("dtype,split", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False),
                                          (torch.float16, True), (torch.float32, False)],
@@ -398,44 +435,25 @@ def test_whole_chunk_clamped_halves(dtype, split, rng, tune):
     where a clamp of 2^-12 would show at 1e-4."""
     import dataclasses
 
-    from fastkda.backends.triton.backward import gradients
-    from fastkda.backends.triton.common import contiguous_inputs, recorded_launches
-    from fastkda.backends.triton.forward import forward_stages
+    from fastkda.backends.triton.common import contiguous_inputs
     from fastkda.backends.triton.function import plan_of
     from fastkda.backends.triton.plan import HALVES_CLAMP
 
     tune(split_unbounded=split, whole_backward=True)
-    case = grow(Case(T=256, gate="softplus", dtype=dtype, l2norm=True, beta_sigmoid=True, A_log_range=(2.0, 2.77)), GPU)
-    if GPU:  # the float64 reference's autograd keeps every token's states: one sequence of 1024 tokens
-        case = case.replace(B=1, T=1024)
-    x = make_inputs(case, device=DEVICE, requires_grad=True, generator=rng)
-    o_r, s_r = reference(x)
-    do = torch.randn(o_r.shape, generator=rng).to(device=DEVICE)
-    ds = torch.randn(s_r.shape, generator=rng).to(device=DEVICE)
-    leaves = {n: x[n] for n in GRAD_INPUTS if isinstance(x.get(n), torch.Tensor)}
-    loss = (o_r * do.double()).sum() + (s_r * ds.double()).sum()
-    want = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+    x, o_r, s_r, do, ds, want = _strong_decays(dtype, rng)
     errors = {}
-    with torch.no_grad():
-        x = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in x.items()}
-        opts, inp = plain_options(x, **{n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")})
-        inp = contiguous_inputs(inp)
-        plan = plan_of(opts, inp, train=True)
-        planned = 0.0 if dtype == torch.float32 else HALVES_CLAMP  # float32: the exact levels (forced below)
-        past = [ps.exact or ps.select == 2 for ps in plan.stage1.passes]  # passes of chunks past the middle anchor
-        assert {ps.clamp for ps, p in zip(plan.stage1.passes, past) if p} == {planned}, plan.stage1.passes
-        assert all(ps.clamp == 0.0 for ps, p in zip(plan.stage1.passes, past) if not p), plan.stage1.passes
-        for form, clamp in (("clamped", HALVES_CLAMP), ("exact", 0.0)):
-            passes = tuple(ps._replace(clamp=clamp if p else 0.0) for ps, p in zip(plan.stage1.passes, past))
-            p = dataclasses.replace(plan, stage1=dataclasses.replace(plan.stage1, passes=passes))
-            with recorded_launches() as log:
-                _, o, ht, _, _ = forward_stages(opts, p, p.forward, inp)
-                stage1, _, _, h, vn = forward_stages(opts, p, p.recompute, inp)
-                got = dict(zip(GRAD_INPUTS, gradients(opts, p, inp, [stage1, h, vn], do.to(o.dtype), ds, True)))
-            gok = [e.args["gok"] for e in log if e.name == "kda_fwd_gates_kernel"][-1]
-            assert 0 in {v & 1 for v in gok.flatten().tolist()}, gok  # chunks past the middle anchor's span
-            errors[form] = {"o": rel_rms(o, o_r), "final_state": rel_rms(ht, s_r),
-                            **{f"d{n}": rel_rms(got[n], want[n]) for n in leaves}}
+    opts, inp = plain_options(x, **{n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")})
+    inp = contiguous_inputs(inp)
+    plan = plan_of(opts, inp, train=True)
+    planned = 0.0 if dtype == torch.float32 else HALVES_CLAMP  # float32: the exact levels (forced below)
+    past = [ps.exact or ps.select == 2 for ps in plan.stage1.passes]  # passes of chunks past the middle anchor
+    assert {ps.clamp for ps, p in zip(plan.stage1.passes, past) if p} == {planned}, plan.stage1.passes
+    assert all(ps.clamp == 0.0 for ps, p in zip(plan.stage1.passes, past) if not p), plan.stage1.passes
+    for form, clamp in (("clamped", HALVES_CLAMP), ("exact", 0.0)):
+        passes = tuple(ps._replace(clamp=clamp if p else 0.0) for ps, p in zip(plan.stage1.passes, past))
+        p = dataclasses.replace(plan, stage1=dataclasses.replace(plan.stage1, passes=passes))
+        errors[form], gok = _errors_under(p, opts, inp, o_r, s_r, do, ds, want)
+        assert 0 in {v & 1 for v in gok}, gok  # chunks past the middle anchor's span
     tol = tol_for(dtype, "triton")
     for name, err in errors["clamped"].items():
         if dtype == torch.float32:  # the anchors' rounding (exponents up to 96) doubles errors of about 1e-7;
@@ -462,42 +480,24 @@ def test_plain_sums_past_middle_anchor(dtype, rng, tune):
     (stored for the others alone: NaN there under poisoning)."""
     import dataclasses
 
-    from fastkda.backends.triton.backward import gradients
-    from fastkda.backends.triton.common import contiguous_inputs, recorded_launches
-    from fastkda.backends.triton.forward import forward_stages
+    from fastkda.backends.triton.common import contiguous_inputs
     from fastkda.backends.triton.function import plan_of
     from fastkda.backends.triton.plan import PLAIN_SUM_SPAN
 
-    tune(whole_backward=True)
-    case = grow(Case(T=256, gate="softplus", dtype=dtype, l2norm=True, beta_sigmoid=True, A_log_range=(2.0, 2.77)), GPU)
-    if GPU:  # the float64 reference's autograd keeps every token's states: one sequence of 1024 tokens
-        case = case.replace(B=1, T=1024)
-    x = make_inputs(case, device=DEVICE, requires_grad=True, generator=rng)
-    with torch.no_grad():  # dt_bias 0: every chunk within 2048 and past the middle anchor's span, but the
-        x["dt_bias"].zero_()  # last, whose raw gates are 3 further up (sums past 2048)
+    def edit(x):  # dt_bias 0: every chunk within 2048 and past the middle anchor's span, but the last,
+        x["dt_bias"].zero_()  # whose raw gates are 3 further up (sums past 2048)
         x["g"][:, -64:] += 3.0
-    o_r, s_r = reference(x)
-    do = torch.randn(o_r.shape, generator=rng).to(device=DEVICE)
-    ds = torch.randn(s_r.shape, generator=rng).to(device=DEVICE)
-    leaves = {n: x[n] for n in GRAD_INPUTS if isinstance(x.get(n), torch.Tensor)}
-    loss = (o_r * do.double()).sum() + (s_r * ds.double()).sum()
-    want = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+    tune(whole_backward=True)
+    x, o_r, s_r, do, ds, want = _strong_decays(dtype, rng, edit)
     errors, kinds = {}, {}
-    with torch.no_grad():
-        x = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in x.items()}
-        opts, inp = plain_options(x, **{n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")})
-        inp = contiguous_inputs(inp)
-        plan = plan_of(opts, inp, train=True)
-        assert plan.stage1.lo_span == PLAIN_SUM_SPAN[dtype] and [ps.select for ps in plan.stage1.passes] == [1, 2, 3]
-        for form, span in (("plan", plan.stage1.lo_span), ("exact", 512.0)):
-            p = dataclasses.replace(plan, stage1=dataclasses.replace(plan.stage1, lo_span=span))
-            with recorded_launches() as log:
-                _, o, ht, _, _ = forward_stages(opts, p, p.forward, inp)
-                stage1, _, _, h, vn = forward_stages(opts, p, p.recompute, inp)
-                got = dict(zip(GRAD_INPUTS, gradients(opts, p, inp, [stage1, h, vn], do.to(o.dtype), ds, True)))
-            kinds[form] = set([e.args["gok"] for e in log if e.name == "kda_fwd_gates_kernel"][-1].flatten().tolist())
-            errors[form] = {"o": rel_rms(o, o_r), "final_state": rel_rms(ht, s_r),
-                            **{f"d{n}": rel_rms(got[n], want[n]) for n in leaves}}
+    opts, inp = plain_options(x, **{n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")})
+    inp = contiguous_inputs(inp)
+    plan = plan_of(opts, inp, train=True)
+    assert plan.stage1.lo_span == PLAIN_SUM_SPAN[dtype] and [ps.select for ps in plan.stage1.passes] == [1, 2, 3]
+    for form, span in (("plan", plan.stage1.lo_span), ("exact", 512.0)):
+        p = dataclasses.replace(plan, stage1=dataclasses.replace(plan.stage1, lo_span=span))
+        errors[form], kinds[form] = _errors_under(p, opts, inp, o_r, s_r, do, ds, want)
     # chunks past the middle anchor's span with exact sums either way; with plain ones too for bfloat16
     assert any(f & 2 for f in kinds["exact"]), kinds
     if dtype == torch.bfloat16:
