@@ -20,14 +20,14 @@ from byte_budget import IO, TABLES, traffic  # noqa: E402
 CHUNK_MODULES = ("chunk_gates", "intra", "wy", "scan", "output", "short", "bwd_scan", "bwd_wy", "bwd_intra",
                  "bwd_l2norm")
 
-# name: (input dtype, gate, training, options of the call (initial state and varlen: "state"), tuning,
-# kernels it must launch and check)
+# name: (input dtype, gate, training, options of the call (initial state and varlen: "state"; the first
+# chunk's raw gates 8 higher, sums past the span of plain ones: "strong"), tuning, kernels it must launch and check)
 CALLS = {
     "whole safe": (torch.bfloat16, "safe", True, {}, {}, {
         "kda_fwd_gates_kernel", "kda_fwd_intra_chunk_kernel", "kda_fwd_inverse_kernel", "kda_fwd_wu_kernel",
         "kda_fwd_scan_kernel", "kda_bwd_scan_kernel", "kda_bwd_state_kernel", "kda_bwd_v_kernel", "kda_bwd_k_kernel",
         "kda_bwd_gate_block_kernel", "kda_bwd_dg_kernel", "kda_bwd_qk_kernel"}),
-    "whole softplus": (torch.bfloat16, "softplus", True, {}, {}, {"kda_fwd_gates_kernel"}),
+    "whole softplus": (torch.bfloat16, "softplus", True, dict(strong=True), {}, {"kda_fwd_gates_kernel"}),
     "whole softplus unsplit": (torch.bfloat16, "softplus", True, {}, dict(split_unbounded=False),
                                {"kda_fwd_wu_kernel", "kda_bwd_gate_block_kernel"}),
     "pre-gated safe": (torch.bfloat16, "pregated", True, {}, {}, {"kda_fwd_gates_kernel", "kda_bwd_dg_kernel"}),
@@ -40,7 +40,8 @@ CALLS = {
     "short float16": (torch.float16, "softplus", False, {}, dict(short_min_pairs=1), {"kda_fwd_short_kernel"}),
     "split output": (torch.bfloat16, "safe", False, {}, dict(split_min_chunks=1, split_max_programs=1 << 20),
                      {"kda_fwd_output_kernel"}),
-    "u in scan": (torch.bfloat16, "softplus", False, dict(state=True), dict(u_in_scan=True), {"kda_fwd_scan_kernel"}),
+    "u in scan": (torch.bfloat16, "softplus", False, dict(state=True, strong=True), dict(u_in_scan=True),
+                  {"kda_fwd_scan_kernel"}),
     "segments": (torch.bfloat16, "safe", False, {}, dict(segment_min_tokens=16, short_min_pairs=8),
                  {"kda_fwd_segment_output_kernel"}),
 }
@@ -75,10 +76,12 @@ def launches(dtype, gate, train, options, tuning, tune):
                   dt_bias=(torch.randn(HV * K, generator=gen) * 0.1).to(DEVICE), use_gate_in_kernel=True)
     if gate == "safe":
         kw.update(safe_gate=True, lower_bound=-5.0)
+    if options.get("strong"):  # exact sums in the first chunk (plan.PLAIN_SUM_SPAN), plain ones in the second
+        x["g"][:, :64] += 8
     if options.get("state"):
         kw["cu_seqlens"] = torch.tensor([0, 70, 96], dtype=torch.int32, device=DEVICE)
         kw["initial_state"] = torch.randn(2, HV, K, K, generator=gen).to(DEVICE)
-    kw.update({n: v for n, v in options.items() if n != "state"})
+    kw.update({n: v for n, v in options.items() if n not in ("state", "strong")})
     if train:
         for t in (*x.values(), *(kw[n] for n in ("A_log", "dt_bias", "initial_state") if n in kw)):
             t.requires_grad_(True)
