@@ -849,11 +849,11 @@ def test_gates_exact_where_needed(dtype, rng, launch_log):
     plan.PLAIN_SUM_SPAN), storing no rounding errors there (gd stays as allocated: NaN under
     poisoning, which every reader of those chunks would show), and exact sums (gc + gd) in the
     others, which a second pass stores; float32 inputs exact sums everywhere. Against float64 sums
-    of gates activated in float64: the kernel's
-    float32 activation is off by a few units of 2^-24 per gate, times |x| where e^-|x| is taken of
-    a rounded x = g + dt_bias (W: |gate| (|x| + 8) 2^-24 summed over the chunk), and the fast
-    softplus of 16-bit inputs by up to 3e-7 exp(A_log) more (test_softplus_forms); plain float32
-    sums add up to 63 roundings (S 2^-18, S the chunk's sum of |gate|)."""
+    of gates activated in float64: the kernel's float32 activation is off by a few units of 2^-24
+    per gate, times |x| where e^-|x| is taken of a rounded x = g + dt_bias (W: |gate| (|x| + 8)
+    2^-24 summed over the chunk), and the fast softplus of 16-bit inputs by up to 3e-7 exp(A_log)
+    more (test_softplus_forms); plain float32 sums add up to 63 roundings (S 2^-18, S the chunk's
+    sum of |gate|)."""
     from fastkda.backends.triton.plan import Tuning
 
     assert Tuning().split_unbounded, "the default splits the launches of unbounded gates"

@@ -171,10 +171,11 @@ SHORT_ANCHOR_CLAMP = 12.0
 # anchors of the 8-token halves of the diagonal blocks that the middle anchor would overflow: 4
 # clamped gates span at most 2^96 (chunk_gates.DIAG_SPAN), and a factor it changes is below 2^-24
 HALVES_CLAMP = 24.0
-# unbounded gates on the whole-chunk path: a chunk whose cumulative gates (base 2) stay within this span
-# takes plain float32 sums, off by a few units in the last place of the span (2^-14 at 512, 2^-12 at
-# 2048: a factor error of at most about 2^-11, below a fourth of bfloat16's 2^-9 operand rounding);
-# beyond it, float32 sums plus their rounding errors (docs/math.md section 3)
+# unbounded gates on the whole-chunk path, 16-bit inputs (the split passes): a chunk whose cumulative
+# gates (base 2) stay within this span takes plain float32 sums, off by a few units in the last place
+# of the span (2^-14 at 512, 2^-12 at 2048: a factor error of at most about 2^-11, below a fourth of
+# bfloat16's 2^-9 operand rounding); beyond it, float32 sums plus their rounding errors (docs/math.md
+# section 3). float32 inputs take exact sums everywhere: their span sets only gok's bit 1
 PLAIN_SUM_SPAN = {torch.bfloat16: 2048.0, torch.float16: 512.0, torch.float32: 512.0}
 
 _TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("fastkda_triton_tuning", default=Tuning())
