@@ -18,17 +18,18 @@ OPTION_SPACE = dict(
     vfirst=st.booleans(),
     chunk=st.sampled_from([32, 64]),
     state=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     seed=st.integers(0, 2**31 - 1),
 )
 
 
-def random_case(rng, max_len, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims) -> Case:
+def random_case(rng, max_len, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims, dtype) -> Case:
     """A Case at one point of OPTION_SPACE, with random lengths below max_len."""
     lens = tuple(int(t) for t in torch.randint(0, max_len, (3,), generator=rng)) if varlen else None
     return Case(
         T=int(torch.randint(1, max_len, (1,), generator=rng)), seqlens=lens, gate=gate, H=2 if gva else 1, HV=4 if gva else 1,
         K=dims[0], V=dims[1], beta_sigmoid=beta_mode != "plain", allow_neg_eigval=beta_mode == "neg", l2norm=l2,
-        state_v_first=vfirst, chunk_size=chunk, initial_state=state, final_state=True,
+        state_v_first=vfirst, chunk_size=chunk, initial_state=state, final_state=True, dtype=dtype,
     )
 
 

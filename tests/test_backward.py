@@ -590,10 +590,11 @@ def test_backward_deterministic(backend, rng):
 @pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
 @settings(max_examples=4 if not GPU else 10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(dims=st.sampled_from([(16, 16), (32, 16), (16, 48)]), **OPTION_SPACE)
-def test_backward_random_combinations(backend, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims, seed):
+def test_backward_random_combinations(backend, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims, dtype,
+                                     seed):
     """Random points of the whole option space, gradients of every input."""
     rng = torch.Generator().manual_seed(seed)
-    case = random_case(rng, 90, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims)
+    case = random_case(rng, 90, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims, dtype)
     case = grow(case, GPU)
     x, got, want = grads(backend, case, rng)
     check_grads(got, want, x, tol_for(case.dtype, backend))

@@ -115,10 +115,11 @@ def test_inference_mode_and_no_grad(rng):
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=12 if not GPU else 16, deadline=None, suppress_health_check=list(HealthCheck))
 @given(dims=st.sampled_from([(16, 16), (32, 16), (16, 64), (64, 32)]), **OPTION_SPACE)
-def test_forward_random_combinations(backend, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims, seed):
+def test_forward_random_combinations(backend, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims, dtype,
+                                    seed):
     """Random points of the whole option space, not only one axis at a time."""
     rng = torch.Generator().manual_seed(seed)
-    case = random_case(rng, 130, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims)
+    case = random_case(rng, 130, gate, varlen, gva, beta_mode, l2, vfirst, chunk, state, dims, dtype)
     case = grow(case, GPU)
     x, o, s, _ = run_forward(backend, case, rng)
     o_ref, s_ref = reference(x)
