@@ -378,7 +378,8 @@ def test_whole_chunk_backward_any_gate(axis, split, rng, tune, launch_log):
 
 def _strong_decays(dtype, rng, edit=None):
     """Inputs of strong softplus decays (A_log drawn from U(2, 2.77); ``edit`` changes them in place)
-    and the float64 reference against them: (inputs, o, final state, do, ds, reference gradients)."""
+    and the float64 reference against them: (inputs, o, final state, do, ds, reference gradients, the
+    error scales of dA_log and ddt_bias: gate_param_scales)."""
     case = grow(Case(T=256, gate="softplus", dtype=dtype, l2norm=True, beta_sigmoid=True, A_log_range=(2.0, 2.77)), GPU)
     if GPU:  # the float64 reference's autograd keeps every token's states: one sequence of 1024 tokens
         case = case.replace(B=1, T=1024)
@@ -393,14 +394,14 @@ def _strong_decays(dtype, rng, edit=None):
     loss = (o_r * do.double()).sum() + (s_r * ds.double()).sum()
     want = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
     x = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in x.items()}
-    return x, o_r, s_r, do, ds, want
+    return x, o_r, s_r, do, ds, want, gate_param_scales(x, want["g"])
 
 
-def _errors_under(plan, opts, inp, o_r, s_r, do, ds, want, x):
+def _errors_under(plan, opts, inp, o_r, s_r, do, ds, want, scales):
     """(errors of o, the final state and every gradient against the reference, the set of the gates
     kernel's gok words) of a training step under ``plan``: relative RMS; for dA_log and ddt_bias, sums
-    over every token whose terms largely cancel, relative to the magnitude of their terms
-    (gate_param_scales, as check_grads)."""
+    over every token whose terms largely cancel, relative to the magnitude of their terms (``scales``,
+    as check_grads)."""
     from fastkda.backends.triton.backward import gradients
     from fastkda.backends.triton.common import recorded_launches
     from fastkda.backends.triton.forward import forward_stages
@@ -410,11 +411,19 @@ def _errors_under(plan, opts, inp, o_r, s_r, do, ds, want, x):
         stage1, _, _, h, vn = forward_stages(opts, plan, plan.recompute, inp)
         got = dict(zip(GRAD_INPUTS, gradients(opts, plan, inp, [stage1, h, vn], do.to(o.dtype), ds, True)))
     gok = [e.args["gok"] for e in log if e.name == "kda_fwd_gates_kernel"][-1]
-    scales = gate_param_scales(x, want["g"])
     errors = {"o": rel_rms(o, o_r), "final_state": rel_rms(ht, s_r),
               **{f"d{n}": param_error(got[n], want[n], scales[n]) if n in scales else rel_rms(got[n], want[n])
                  for n in want}}
     return errors, set(gok.flatten().tolist())
+
+
+def _assert_near(errors, ref, ratio, floor):
+    """Every error of ``errors`` within ``ratio`` times that of ``ref`` (another form's on the same
+    inputs) or ``floor`` above it; those of A_log and dt_bias (relative to their terms' magnitudes)
+    within ``ratio`` times or 2^-22 above it: a float32 sum's rounding, a few units of 2^-24 of the terms."""
+    for name, err in errors.items():
+        bound = max(ratio * ref[name], ref[name] + (2.0**-22 if name in ("dA_log", "ddt_bias") else floor))
+        assert err <= bound, (name, err, ref[name])
 
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
@@ -445,7 +454,7 @@ def test_whole_chunk_clamped_halves(dtype, split, rng, tune):
     from fastkda.backends.triton.plan import HALVES_CLAMP
 
     tune(split_unbounded=split, whole_backward=True)
-    x, o_r, s_r, do, ds, want = _strong_decays(dtype, rng)
+    x, o_r, s_r, do, ds, want, scales = _strong_decays(dtype, rng)
     errors = {}
     opts, inp = plain_options(x, **{n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")})
     inp = contiguous_inputs(inp)
@@ -457,16 +466,12 @@ def test_whole_chunk_clamped_halves(dtype, split, rng, tune):
     for form, clamp in (("clamped", HALVES_CLAMP), ("exact", 0.0)):
         passes = tuple(ps._replace(clamp=clamp if p else 0.0) for ps, p in zip(plan.stage1.passes, past))
         p = dataclasses.replace(plan, stage1=dataclasses.replace(plan.stage1, passes=passes))
-        errors[form], gok = _errors_under(p, opts, inp, o_r, s_r, do, ds, want, x)
+        errors[form], gok = _errors_under(p, opts, inp, o_r, s_r, do, ds, want, scales)
         assert 0 in {v & 1 for v in gok}, gok  # chunks past the middle anchor's span
-    ratio = 3.0 if dtype == torch.float32 else 1.2  # float32: the anchors' rounding doubles errors of ~1e-7
-    for name, err in errors["clamped"].items():
-        ref = errors["exact"][name]
-        if name in ("dA_log", "ddt_bias"):  # a float32 sum's rounding: a few units of 2^-24 of the terms
-            floor = 2.0**-22
-        else:  # float16: a few elements of the last token, a fraction of a unit off in either form
-            floor = 0.0 if dtype == torch.float32 else 2.0**-12
-        assert err <= max(ratio * ref, ref + floor), (name, err, ref)
+    # float32: the anchors' rounding doubles errors of ~1e-7; float16: a few elements of the last token,
+    # a fraction of a unit off in either form
+    f32 = dtype == torch.float32
+    _assert_near(errors["clamped"], errors["exact"], 3.0 if f32 else 1.2, 0.0 if f32 else 2.0**-12)
 
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
@@ -492,7 +497,7 @@ def test_plain_sums_past_middle_anchor(dtype, rng, tune):
         x["g"][:, -64:] += 3.0
 
     tune(whole_backward=True)
-    x, o_r, s_r, do, ds, want = _strong_decays(dtype, rng, edit)
+    x, o_r, s_r, do, ds, want, scales = _strong_decays(dtype, rng, edit)
     errors, kinds = {}, {}
     opts, inp = plain_options(x, **{n: t for n, t in x.items() if n not in ("q", "k", "v", "g", "beta")})
     inp = contiguous_inputs(inp)
@@ -500,17 +505,14 @@ def test_plain_sums_past_middle_anchor(dtype, rng, tune):
     assert plan.stage1.lo_span == PLAIN_SUM_SPAN[dtype] and [ps.select for ps in plan.stage1.passes] == [1, 2, 3]
     for form, span in (("plan", plan.stage1.lo_span), ("exact", 512.0)):
         p = dataclasses.replace(plan, stage1=dataclasses.replace(plan.stage1, lo_span=span))
-        errors[form], kinds[form] = _errors_under(p, opts, inp, o_r, s_r, do, ds, want, x)
+        errors[form], kinds[form] = _errors_under(p, opts, inp, o_r, s_r, do, ds, want, scales)
     # chunks past the middle anchor's span with exact sums either way; with plain ones too for bfloat16
     assert any(f & 2 for f in kinds["exact"]), kinds
     if dtype == torch.bfloat16:
         assert 0 in kinds["plan"] and any(f & 2 for f in kinds["plan"]), kinds
     else:
         assert kinds["plan"] == kinds["exact"], kinds
-    for name, err in errors["plan"].items():
-        ref = errors["exact"][name]
-        floor = 2.0**-22 if name in ("dA_log", "ddt_bias") else 0.0  # a float32 sum's rounding
-        assert err <= max(1.1 * ref, ref + floor), (name, err, ref)
+    _assert_near(errors["plan"], errors["exact"], 1.1, 0.0)
 
 
 @pytest.mark.skipif("triton" not in BACKWARD_BACKENDS, reason="no Triton")
