@@ -298,7 +298,7 @@ def test_x_precision(dtype, train, x_dtype, copy, wu_prec):
 def test_backward_precisions():
     """The whole-chunk gate gradients' pair products: tf32 for bounded gates in bfloat16, tf32x3 for
     unbounded ones (dA_log weighs their residue by |y|); the block path sums pairs exactly for
-    float32 only."""
+    float32 only; float16 forms and contracts dv' at float32 accuracy."""
     safe = opts_for(1, 256, 2, gate=GateMode.LOWER_BOUND, safe_gate=True, lower_bound=-5.0)
     soft = opts_for(1, 256, 2, gate=GateMode.SOFTPLUS)
     assert plan_for(safe, train=True).backward.pair_prec == "tf32"
@@ -306,6 +306,12 @@ def test_backward_precisions():
     assert plan_for(soft, torch.float32, train=True).backward.exact_pairs
     assert not plan_for(soft, torch.float16, train=True).backward.exact_pairs
     assert plan_for(soft, train=False).backward is None
+    # float16: dv' at float32 accuracy (dH as two operands in the scan, phase A's dv' products tf32x3)
+    for dtype, split, dv_prec in ((torch.bfloat16, 0.0, "tf32"), (torch.float16, P.DH_SPLIT_SCALE, "tf32x3"),
+                                  (torch.float32, 0.0, "ieee")):
+        b = plan_for(safe, dtype, train=True).backward
+        assert (b.scan_dh_split, b.dv_prec) == (split, dv_prec)
+        assert ("dH as two operands" in plan_for(safe, dtype, train=True).describe()) == bool(split)
 
 
 def test_dg_launch_by_gate():

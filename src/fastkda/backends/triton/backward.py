@@ -49,7 +49,7 @@ def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, work: list,
         beta_kw = dict(SIGMOID=opts.beta_sigmoid, BETA_SCALE=opts.beta_scale)
         NKS = cdiv(K, b.state_bs)
         state_kw = dict(K=K, V=V, BKS=b.state_bs, NKS=NKS, BV=BV, BS=b.BS, **where, PREC=plan.dot.prec,
-                        **b.state.kwargs())
+                        DV_PREC=b.dv_prec, **b.state.kwargs())
         # phase A: dH freed before dqg and dw are allocated, h before dAqk, dAkk and dv
         s_dkd = alloc(B, T, HV, K, **f32)
         launch(kda_bwd_state_kernel, (NT * NKS, HV), h, dhs, vn, None, None, None, s_dkd, None, s_dgam,
@@ -65,7 +65,7 @@ def chunk_gradients(opts: KDAOptions, plan: ChunkPlan, x: KDAInputs, work: list,
         dv = alloc(B, T, HV, V, dtype=x.v.dtype, device=dev)
         launch(kda_bwd_v_kernel, (NT, HV), x.v, x.beta, p.u, vn, do, dvn, p.xs, s_dA, s_dL, s_db, dv,
                scale=opts.scale, V=V, BV=BV, BS=b.BS, MIRROR=b.whole, **beta_kw, **where, PREC=plan.dot.prec,
-               **b.v.kwargs())
+               DV_PREC=b.dv_prec, **b.v.kwargs())
         del vn, dvn
         p = p._replace(u=None)
         launch(kda_bwd_k_kernel, (NT, HV),

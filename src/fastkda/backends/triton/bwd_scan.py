@@ -28,7 +28,7 @@ def kda_bwd_scan_kernel(
     qg, w, kd, Aqk, gl, do, dht, dhs, dh0, dvn, cu_seqlens, chunk_offsets, T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, DH_SPLIT: tl.constexpr,
 ):
     i_v, i_nh = seq_program(V, BV)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -58,6 +58,9 @@ def kda_bwd_scan_kernel(
 
         b_dHd = as_operand(b_dH, DT, EMU)
         b_dvn = prod(tl.trans(b_A), b_do, PREC) + prod(b_kd, b_dHd, PREC)
+        if DH_SPLIT != 0:  # dH's rounding residue as a second operand, scaled past DT's subnormals
+            b_dHr = as_operand((b_dH - b_dHd.to(tl.float32)) * DH_SPLIT, DT, EMU)
+            b_dvn += prod(b_kd, b_dHr, PREC) * (1.0 / DH_SPLIT)
         tl.store(dvn + o_uv + r_t * (HV * V), b_dvn, mask=m_tv)
         b_dH = b_dH * b_gl[:, None] + prod(tl.trans(b_qg), b_do, PREC) \
             - prod(tl.trans(b_w), as_operand(b_dvn, DT, EMU), PREC)
@@ -82,5 +85,5 @@ def bwd_scan(opts: KDAOptions, plan: ChunkPlan, qg, w, kd, Aqk, gl, do, dht, cu_
                qg, w, kd, Aqk, gl, do, dht, dhs, dh0, dvn, cu_seqlens, chunk_offsets, T,
                HV=HV, K=K, V=V, C=C, BK=pow2(K), BV=b.scan_bv, USE_DHT=dht is not None, STORE_DH0=want_dh0,
                V_FIRST=opts.state_v_first, IS_VARLEN=cu_seqlens is not None, DT=dot.dtype, PREC=dot.prec,
-               EMU=dot.emulate, **b.scan.kwargs())
+               EMU=dot.emulate, DH_SPLIT=b.scan_dh_split, **b.scan.kwargs())
     return dhs, dvn, dh0

@@ -33,12 +33,13 @@ def kda_bwd_state_kernel(
     h, dhs, vn, do, dvn, s_dqg, s_dkd, s_dw, s_dgam,
     cu_seqlens, chunk_indices, T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKS: tl.constexpr, NKS: tl.constexpr,
-    BV: tl.constexpr, BS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, FROM_DH: tl.constexpr,
+    BV: tl.constexpr, BS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DV_PREC: tl.constexpr,
+    FROM_DH: tl.constexpr,
 ):
     """Phase A's state products as [C, BS] x [BS, BKS] products, one program per chunk, value head
     and BKS feature columns (NKS of them): FROM_DH, dkd and the chunk-decay gradient dgam from the
     state gradient dH (dhs); else dqg and dw from the state S (h). The pointers only the other
-    form uses are None."""
+    form uses are None. DV_PREC: the products of dv' (float32), which the chunk's dbeta can take many-fold."""
     i_part, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, NKS, False)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
@@ -57,7 +58,7 @@ def kda_bwd_state_kernel(
             b_dgam += tl.sum(b_S * b_dH, 1)
         else:
             b_a += prod(load_tile(do, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_S), PREC)
-            b_b -= prod(load_tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_S), PREC)
+            b_b -= prod(load_tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_S), DV_PREC)
     if FROM_DH:
         store_tile(s_dkd, b_a, bos, t0, T_seq, i_hv, HV, K, o_c, o_k)
         tl.store(s_dgam + i_p * K + o_k, b_dgam, mask=o_k < K)
@@ -71,11 +72,12 @@ def kda_bwd_v_kernel(
     v, beta, u, vn, do, dvn, xs, s_dA, s_dL, s_db, dv,
     cu_seqlens, chunk_indices, scale, T,
     HV: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr,
-    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, MIRROR: tl.constexpr,
+    SIGMOID: tl.constexpr, BETA_SCALE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    DV_PREC: tl.constexpr, MIRROR: tl.constexpr,
 ):
     """Phase A's products within the chunk (dAqk, a, dv, dL, beta's first terms) as [C, BS] x
     [BS, C] products, one program per chunk and value head. MIRROR: dAqk's upper triangle holds
-    its transpose (else zeros)."""
+    its transpose (else zeros). DV_PREC: a = X^T dv', as kda_bwd_state_kernel's dw (one rounding of dv')."""
     _, i_hv, i_p, bos, T_seq, t0 = chunk_program(cu_seqlens, chunk_indices, T, HV, C, IS_VARLEN, 1, False)
     if t0 >= T_seq:  # a slot past the real chunks (use_graph's fixed-size tables)
         return
@@ -89,7 +91,7 @@ def kda_bwd_v_kernel(
         o_v = s + tl.arange(0, BS)
         b_vn = load_tile(vn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)  # [C, BS]
         b_dA += prod(load_tile(do, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), tl.trans(b_vn), PREC)
-        b_a = prod(tl.trans(b_X), load_tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), PREC)  # a = X^T dv'
+        b_a = prod(tl.trans(b_X), load_tile(dvn, bos, t0, T_seq, i_hv, HV, V, o_c, o_v), DV_PREC)  # a = X^T dv'
         store_tile(dv, b_b[:, None] * b_a, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)
         b_db += tl.sum(load_tile(v, bos, t0, T_seq, i_hv, HV, V, o_c, o_v) * b_a, 1)
         b_dL -= prod(b_a, tl.trans(load_tile(u, bos, t0, T_seq, i_hv, HV, V, o_c, o_v)), PREC)

@@ -164,6 +164,12 @@ class Tuning:
 # pair term enters dg twice, rounded apart; unbounded gates weigh the residue by |y| in dA_log
 PAIR_PREC = {torch.bfloat16: "tf32", torch.float16: "tf32x3", torch.float32: "ieee"}
 PAIR_PREC_UNBOUNDED = {torch.bfloat16: "tf32x3", torch.float16: "tf32x3", torch.float32: "ieee"}
+# float16 inputs: dv' (= Aqk^T dO + kd dH) carries 2^-12 roundings that a token's dbeta (v . X^T dv',
+# a small sum of large terms at a chunk's last token) takes many-fold. The backward scan takes dH
+# (float32) as float16 hi + residue times 2^11 (below 2^-11 |dH|: a normal float16 wherever hi is);
+# phase A's two products of dv' take tf32x3 (tf32 rounds as float16 does). docs/kernels.md
+DH_SPLIT_SCALE = 2048.0
+DV_PREC_FP16 = "tf32x3"
 # the short path's clamp of unbounded gates (base 2) under its one anchor, for bfloat16 inputs: 8
 # clamped gates span at most 2^96, as the middle anchor's factors do (short.SPAN)
 SHORT_ANCHOR_CLAMP = 12.0
@@ -384,6 +390,8 @@ class BackwardPlan:
 
     scan_bv: int
     scan: Launch
+    scan_dh_split: float  # backward scan, kd dH: dH's rounding residue times this as a second operand (0: none)
+    dv_prec: str  # phase A's products of dv' (a = X^T dv', dw = -dv' S^T)
     BS: int
     state_bs: int
     state: Launch  # phase A's state products (kda_bwd_state_kernel, two launches)
@@ -462,14 +470,15 @@ class ChunkPlan:
                              + (f"; o from the output kernel ({sc.output_bv} columns)" if sc.split_output else ""))
         b = self.backward
         if b is not None:
-            lines.append(f"  backward scan: {b.scan_bv} value columns {_fmt(b.scan)}")
+            lines.append(f"  backward scan: {b.scan_bv} value columns {_fmt(b.scan)}"
+                         + (f"; dH as two operands (residue x {b.scan_dh_split:g})" if b.scan_dh_split else ""))
             blocks = "; ".join(_fmt(p.gate_block) for p in s.passes)
             gates = (f"whole-chunk gate gradients ({b.pair_prec} pairs, {b.gate_block_bs} columns {blocks}; "
                      f"dg {b.dg_bs} columns {_fmt(b.dg)})" if b.whole else
                      f"block gate gradients ({'exact' if b.exact_pairs else 'row/column'} pair sums, "
                      f"diagonal {b.diag_prec}, {_fmt(b.gate)})")
             lines.append(f"  backward chunk: state products from dH, then from h, {b.state_bs} columns "
-                         f"{_fmt(b.state)}; dv {_fmt(b.v)}, dk {_fmt(b.k)}; {gates}; "
+                         f"{_fmt(b.state)}; dv {_fmt(b.v)} (dv' products {b.dv_prec}), dk {_fmt(b.k)}; {gates}; "
                          f"dq, dk per key head {b.qk_rows} rows {_fmt(b.qk)}")
         return "\n".join(lines)
 
@@ -700,6 +709,8 @@ def _backward(opts: KDAOptions, dtype: torch.dtype, s1: Stage1Plan, dev: Device,
     return BackwardPlan(
         scan_bv=bv, scan=Launch(scan_warps(tuning.bwd_scan_warps, BK, bv),
                                 scan_stages(tuning.bwd_scan_stages, BK, bv, dtype.itemsize)),
+        scan_dh_split=DH_SPLIT_SCALE if dtype == torch.float16 else 0.0,
+        dv_prec=DV_PREC_FP16 if dtype == torch.float16 else dot.prec,
         BS=min(tuning.slice, BK, BV), state_bs=min(tuning.bwd_state_slice, BK),
         state=_wide(tuning.bwd_state, BK, BV), v=_wide(tuning.bwd_v, BK, BV), k=_wide(tuning.bwd_k, BK, BV),
         whole=s1.whole,
