@@ -214,14 +214,19 @@ def test_pool_read_only_returns_final_states(backend, rng):
     assert not o[1].any()
 
 
+# a bad slot as the decode check names it (then its value), or as the host check does
+OUTSIDE = r"`ssm_state_indices` (of sequence 1 holds a slot outside \[0, 6\) other than -1 \(padding\)"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "idx,acc,match",
     [
-        ([0, 7, 1], None, r"outside \[0, 6\) other than -1 \(padding\): 7;|slot 7 at"),
-        ([0, -3, 1], None, r"outside \[0, 6\) other than -1 \(padding\): -3;|slot -3 at"),
-        ([[0, 1], [2, 9], [3, 4]], [1, 1, 2], r"outside \[0, 6\) other than -1 \(padding\): \[2, 9\];|slot 9 at"),
-        ([[0, 1], [2, 5], [3, 4]], [1, 3, 1], r"num_accepted_tokens\[1\]`? must be in \[1, 2\], got 3|num_accepted_tokens\[1\]`=3"),
+        ([0, 7, 1], None, OUTSIDE + r": 7;|holds slot 7 at)"),
+        ([0, -3, 1], None, OUTSIDE + r": -3;|holds slot -3 at)"),
+        ([[0, 1], [2, 9], [3, 4]], [1, 1, 2], OUTSIDE + r": \[2, 9\];|holds slot 9 at)"),
+        ([[0, 1], [2, 5], [3, 4]], [1, 3, 1],
+         r"num_accepted_tokens\[1\]`? must be in \[1, 2\], got 3|num_accepted_tokens\[1\]`=3"),
     ],
 )
 def test_bad_indices_change_nothing(backend, idx, acc, match, rng, check_path):
@@ -385,7 +390,8 @@ def test_index_check_names_first_bad_sequence(rng, tune, check_path):
     snap = pool.clone()
     idx = torch.arange(11, device=DEVICE)
     idx[5], idx[9] = 12, -2  # sequence 5 (second step) is the first bad one
-    with use_backend("triton"), pytest.raises(ValueError, match=r"sequence 5 holds"):
+    first_bad = r"`ssm_state_indices` of sequence 5 holds a slot outside \[0, 12\) other than -1 \(padding\): 12"
+    with use_backend("triton"), pytest.raises(ValueError, match=first_bad):
         fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True,
                             raise_on_bad_index=True)
     assert torch.equal(pool, snap)
@@ -425,7 +431,7 @@ def test_bad_index_without_raising(backend, rng, check_path):
         bad = torch.tensor([4, 5, 0], device=DEVICE)
         snap = pool.clone()
         if backend == "torch":
-            with pytest.raises(ValueError, match=r"slot 5 at \[1\]"):
+            with pytest.raises(ValueError, match=r"`ssm_state_indices` holds slot 5 at \[1\]"):
                 fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=bad, inplace_final_state=True,
                                     raise_on_bad_index=False)
         else:
@@ -438,13 +444,14 @@ def test_bad_index_without_raising(backend, rng, check_path):
                                            raise_on_bad_index=False)
             assert torch.equal(o, torch.zeros_like(o))
             # a later call that raises reports its own error and keeps this one for decode_error()
-            with pytest.raises(ValueError, match=r"sequence 0 holds"):
+            first = r"`ssm_state_indices` of sequence 0 holds a slot outside \[0, 5\) .*: 7"
+            with pytest.raises(ValueError, match=first):
                 fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=torch.tensor([7, 0, 4], device=DEVICE),
                                     inplace_final_state=True, raise_on_bad_index=True)
             assert "sequence 1 holds a slot outside the pool" in decode_error(DEVICE)
             assert decode_error(DEVICE) is None
         assert torch.equal(pool, snap)
-        with pytest.raises(TypeError, match="raise_on_bad_index"):
+        with pytest.raises(TypeError, match=r"`raise_on_bad_index` must be a bool, got NoneType: None"):
             fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=good, raise_on_bad_index=None)
 
 
@@ -620,6 +627,7 @@ def test_few_programs_loop_over_every_tile(mode, rng, tune, check_path, launch_l
     bad.view(-1)[-1] = num_slots
     pool = pool0.clone()
     with use_backend("triton"), tuned(**few):
-        with pytest.raises(ValueError, match="outside"):
+        outside = rf"`ssm_state_indices` of sequence \d+ holds a slot outside \[0, {num_slots}\) other than -1"
+        with pytest.raises(ValueError, match=outside + rf" \(padding\): .*{num_slots}"):
             fused_recurrent_kda(**x, initial_state=pool, **{**kw, "ssm_state_indices": bad}, raise_on_bad_index=True)
     assert torch.equal(pool, pool0)

@@ -357,7 +357,8 @@ def state_layout(state_v_first, transpose_state_layout):
     if transpose_state_layout is None:
         return state_v_first
     if not isinstance(transpose_state_layout, bool):
-        raise TypeError(f"`transpose_state_layout` must be a bool, got {type(transpose_state_layout).__name__}")
+        raise TypeError(f"`transpose_state_layout` must be a bool, got {type_name(transpose_state_layout)}: "
+                        f"{transpose_state_layout!r:.80}")
     if state_v_first:
         raise ValueError("pass `state_v_first` or the deprecated `transpose_state_layout`, not both")
     warnings.warn("`transpose_state_layout` is deprecated: it is `state_v_first`", DeprecationWarning, stacklevel=3)
@@ -593,7 +594,8 @@ def _recurrent_checked(
         _same_device(q, "q", ssm_state_indices=idx)
     if acc is not None:
         if idx is None or idx.ndim != 2:
-            raise ValueError("`num_accepted_tokens` needs 2-D `ssm_state_indices` [N, 1 + num_draft] (speculative decoding)")
+            raise ValueError("`num_accepted_tokens` needs 2-D `ssm_state_indices` [N, 1 + num_draft] (speculative "
+                             f"decoding), got ssm_state_indices={_fmt(idx)}")
         if acc.dtype not in INDEX_DTYPES or tuple(acc.shape) != (shape.N,):
             raise ValueError(f"`num_accepted_tokens` must be an int32/int64 tensor of shape [N]=[{shape.N}], got {_fmt(acc)}")
         _same_device(q, "q", num_accepted_tokens=acc)
