@@ -294,6 +294,30 @@ def test_bf16_pool_is_the_float32_step_rounded(backend, spec, rng, tune):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton")
+def test_outputs_past_2_31_elements():
+    """One sequence whose outputs pass 2^31 elements (T * HV * V; 4.3 GB of bfloat16): every token's
+    output lands in its own row, the last ones as a second call from the state the first part leaves
+    gives them (32-bit offsets in the token loop would wrap those rows to before the output)."""
+    HV, K, V = 64, 16, 128
+    T = 2**31 // (HV * V) + 48
+    q, k = (torch.randn(1, T, 1, K, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, T, HV, V, device=DEVICE, dtype=torch.bfloat16)
+    g = -0.1 * torch.rand(1, T, HV, K, device=DEVICE, dtype=torch.bfloat16)
+    beta = torch.rand(1, T, HV, device=DEVICE, dtype=torch.bfloat16)
+    kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
+    split = T - 64  # the tail: the last 64 tokens, past 2^31 output elements
+    with use_backend("triton"):
+        o, s = fused_recurrent_kda(q, k, v, g, beta, **kw)
+        _, s1 = fused_recurrent_kda(q[:, :split], k[:, :split], v[:, :split], g[:, :split], beta[:, :split], **kw)
+        o2, s2 = fused_recurrent_kda(q[:, split:], k[:, split:], v[:, split:], g[:, split:], beta[:, split:],
+                                     initial_state=s1, **kw)
+    assert bool(torch.isfinite(o).all())  # outputs are NaN until written
+    check("tail o", o[:, split:].float(), o2.float(), 1e-3)
+    check("final state", s, s2, 1e-6)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_decode(backend, pool_dtype, rng, check_path):

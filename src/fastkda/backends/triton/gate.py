@@ -31,7 +31,7 @@ def kda_gate_bwd_kernel(g, A_log, dt_bias, dy, dg, dA_part, dbias_part, lower_bo
                         K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
                         HAS_BIAS: tl.constexpr):
     """dg, and per-program partial sums of dA_log [R/BR, HV] and ddt_bias [R/BR, HV, K]."""
-    i_r, i_hv = tl.program_id(0), tl.program_id(1)
+    i_r, i_hv = tl.program_id(0).to(tl.int64), tl.program_id(1)  # (R/BR) * HV * K may pass 2^31
     o_r = i_r * BR + tl.arange(0, BR)
     o_k = tl.arange(0, BK)
     m_k = o_k < K

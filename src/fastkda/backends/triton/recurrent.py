@@ -307,11 +307,13 @@ def decode_tile(
     if SPEC and INPLACE:
         spec_store(h0, idx, b_S, i_n, 0, m_t & live, num_slots, stride_idx, COLS, stride_hs, stride_hh, i_hv, o_h, m_h)
     if not ONE_TOKEN:
+        p_t = p_o  # stepped as a pointer: t * HV * V in 32 bits would wrap past 2^31 elements
         for t in range(1, T_seq):
+            p_t += HV * V
             b_S, b_o = token_step(q, k, v, g, beta, A_log, dt_bias, b_S, bos + t, True, i_h, i_hv, o_k, o_v, m_k,
                                   m_v, scale, lower_bound, H, HV, K, V, GATE, HAS_A, HAS_BIAS, L2NORM, SIGMOID,
                                   BETA_SCALE)
-            tl.store(p_o + t * HV * V, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
+            tl.store(p_t, tl.where(live, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
             if SPEC and INPLACE:
                 spec_store(h0, idx, b_S, i_n, t, live, num_slots, stride_idx, COLS, stride_hs, stride_hh, i_hv, o_h,
                            m_h)
