@@ -309,9 +309,9 @@ def test_backward_precisions():
     # float16: dv' at float32 accuracy (dH as two operands in the scan, phase A's dv' products tf32x3)
     for dtype, split, dv_prec in ((torch.bfloat16, 0.0, "tf32"), (torch.float16, P.DH_SPLIT_SCALE, "tf32x3"),
                                   (torch.float32, 0.0, "ieee")):
-        b = plan_for(safe, dtype, train=True).backward
-        assert (b.scan_dh_split, b.dv_prec) == (split, dv_prec)
-        assert ("dH as two operands" in plan_for(safe, dtype, train=True).describe()) == bool(split)
+        p = plan_for(safe, dtype, train=True)
+        assert (p.backward.scan_dh_split, p.backward.dv_prec) == (split, dv_prec)
+        assert ("dH as two operands" in p.describe()) == bool(split)
 
 
 def test_dg_launch_by_gate():

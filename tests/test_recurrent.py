@@ -214,8 +214,14 @@ def test_pool_read_only_returns_final_states(backend, rng):
     assert not o[1].any()
 
 
+def outside(seq, slots) -> str:
+    """The pattern of the decode check's error for sequence ``seq`` of a pool of ``slots`` slots (its
+    bad value follows)."""
+    return rf"of sequence {seq} holds a slot outside \[0, {slots}\) other than -1 \(padding\)"
+
+
 # a bad slot as the decode check names it (then its value), or as the host check does
-OUTSIDE = r"`ssm_state_indices` (of sequence 1 holds a slot outside \[0, 6\) other than -1 \(padding\)"
+OUTSIDE = r"`ssm_state_indices` (" + outside(1, 6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -414,8 +420,7 @@ def test_index_check_names_first_bad_sequence(rng, tune, check_path):
     snap = pool.clone()
     idx = torch.arange(11, device=DEVICE)
     idx[5], idx[9] = 12, -2  # sequence 5 (second step) is the first bad one
-    first_bad = r"`ssm_state_indices` of sequence 5 holds a slot outside \[0, 12\) other than -1 \(padding\): 12"
-    with use_backend("triton"), pytest.raises(ValueError, match=first_bad):
+    with use_backend("triton"), pytest.raises(ValueError, match=r"`ssm_state_indices` " + outside(5, 12) + ": 12"):
         fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True,
                             raise_on_bad_index=True)
     assert torch.equal(pool, snap)
@@ -468,8 +473,7 @@ def test_bad_index_without_raising(backend, rng, check_path):
                                            raise_on_bad_index=False)
             assert torch.equal(o, torch.zeros_like(o))
             # a later call that raises reports its own error and keeps this one for decode_error()
-            first = r"`ssm_state_indices` of sequence 0 holds a slot outside \[0, 5\) .*: 7"
-            with pytest.raises(ValueError, match=first):
+            with pytest.raises(ValueError, match=r"`ssm_state_indices` " + outside(0, 5) + ": 7"):
                 fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=torch.tensor([7, 0, 4], device=DEVICE),
                                     inplace_final_state=True, raise_on_bad_index=True)
             assert "sequence 1 holds a slot outside the pool" in decode_error(DEVICE)
@@ -651,7 +655,6 @@ def test_few_programs_loop_over_every_tile(mode, rng, tune, check_path, launch_l
     bad.view(-1)[-1] = num_slots
     pool = pool0.clone()
     with use_backend("triton"), tuned(**few):
-        outside = rf"`ssm_state_indices` of sequence \d+ holds a slot outside \[0, {num_slots}\) other than -1"
-        with pytest.raises(ValueError, match=outside + rf" \(padding\): .*{num_slots}"):
+        with pytest.raises(ValueError, match=r"`ssm_state_indices` " + outside(r"\d+", num_slots) + f": .*{num_slots}"):
             fused_recurrent_kda(**x, initial_state=pool, **{**kw, "ssm_state_indices": bad}, raise_on_bad_index=True)
     assert torch.equal(pool, pool0)

@@ -356,9 +356,7 @@ def state_layout(state_v_first, transpose_state_layout):
     warning names the caller of the public operator)."""
     if transpose_state_layout is None:
         return state_v_first
-    if not isinstance(transpose_state_layout, bool):
-        raise TypeError(f"`transpose_state_layout` must be a bool, got {type_name(transpose_state_layout)}: "
-                        f"{transpose_state_layout!r:.80}")
+    bool_of("transpose_state_layout", transpose_state_layout)
     if state_v_first:
         raise ValueError("pass `state_v_first` or the deprecated `transpose_state_layout`, not both")
     warnings.warn("`transpose_state_layout` is deprecated: it is `state_v_first`", DeprecationWarning, stacklevel=3)
