@@ -52,6 +52,12 @@ def _record_launches(path: str):
 if os.environ.get("FASTKDA_RECORD_LAUNCHES") and os.environ.get("TRITON_INTERPRET") == "1":
     _record_launches(os.environ["FASTKDA_RECORD_LAUNCHES"])
 
+BOUNDS_CHECKED = platform.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+if BOUNDS_CHECKED:  # every interpreted load, store and atomic inside the launch's tensors (bounds.py)
+    import bounds
+
+    bounds.install()
+
 
 def pytest_runtest_logreport(report):
     """With FASTKDA_FAILURE_LOG set, every failure's report is appended there as it happens (a GPU
@@ -86,6 +92,17 @@ def pytest_collection_modifyitems(config, items):
             (keep if zlib.crc32(it.nodeid.encode()) % n == i - 1 else drop).append(it)
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.fixture(autouse=True)
+def _within_bounds():
+    """No interpreted kernel touched memory outside its tensor arguments during the test."""
+    if BOUNDS_CHECKED:
+        bounds.take()
+    yield
+    if BOUNDS_CHECKED:
+        seen = bounds.take()
+        assert not seen, "out of bounds: " + "; ".join(seen[:3])
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,6 @@
-"""Small Triton kernels that run one library helper on a tile, for tests of those helpers (imported
-inside the tests, so that the test modules load without Triton)."""
+"""Small Triton kernels that run one library helper on a tile, for tests of those helpers, and one
+for the test suite's bounds check (imported inside the tests, so that the test modules load without
+Triton)."""
 
 import triton
 import triton.language as tl
@@ -53,3 +54,15 @@ def prod_kernel(a, b, c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, PREC
     b_a = tl.load(a + o_m[:, None] * K + o_k[None, :])
     b_b = tl.load(b + o_k[:, None] * N + o_n[None, :])
     tl.store(c + o_m[:, None] * N + o_n[None, :], prod(b_a, b_b, PREC))
+
+
+@triton.jit
+def masked_copy_kernel(x, y, n, EXTRA: tl.constexpr, ATOMIC: tl.constexpr):
+    """y[:n + EXTRA] = x[:n + EXTRA] (or added atomically), 8 lanes: EXTRA past a length n reaches
+    outside both (tests/test_bounds.py)."""
+    o_i = tl.arange(0, 8)
+    b_x = tl.load(x + o_i, mask=o_i < n + EXTRA, other=0.0)
+    if ATOMIC:
+        tl.atomic_add(y + o_i, b_x, mask=o_i < n + EXTRA)
+    else:
+        tl.store(y + o_i, b_x, mask=o_i < n + EXTRA)
