@@ -451,12 +451,13 @@ def test_whole_chunk_clamped_halves(dtype, split, rng, tune):
     1.07x) or within one unit of the tensor's format at its largest element of it (_unit: dg's and
     dbeta's norms are now and then mostly those of the last token's elements, through the final state's
     gradient, each a unit or two off in either form: bfloat16 dbeta 2.7e-3 higher clamped, one unit
-    of 4.6e-3; float16 dg 1.43x, 2.9e-4 against 2.0e-4), those of A_log and dt_bias (relative to their terms' magnitudes, _errors_under) within 20% or
-    2^-22 of it (float16: 1e-7 to 5e-7, one seed's 3.5e-8 gave 1.69x: a float32 sum's rounding, a few
-    units of 2^-24 of the terms). float32 inputs keep the exact levels; with the clamp forced on them
-    every error is within 3x the exact levels' (the anchors' exponents reach 96: about 1e-7 doubles;
-    measured 0.8x to 2x), those of A_log and dt_bias (5e-9 to 1e-7) within 3x or 2^-22 of it, where
-    a clamp of 2^-12 would show at 1e-4."""
+    of 4.6e-3; float16 dg 1.43x, 2.9e-4 against 2.0e-4), those of A_log and dt_bias (relative to
+    their terms' magnitudes, _errors_under) within 20% or 2^-22 of it (float16: 1e-7 to 5e-7, one
+    seed's 3.5e-8 gave 1.69x: a float32 sum's rounding, a few units of 2^-24 of the terms). float32
+    inputs keep the exact levels; with the clamp forced on them every error is within 3x the exact
+    levels' (the anchors' exponents reach 96: about 1e-7 doubles; measured 0.8x to 2x), those of
+    A_log and dt_bias (5e-9 to 1e-7) within 3x or 2^-22 of it, where a clamp of 2^-12 would show at
+    1e-4."""
     import dataclasses
 
     from fastkda.backends.triton.common import contiguous_inputs
