@@ -8,6 +8,9 @@ from hypothesis import strategies as st
 from fastkda.testing import (AXES, GATES, Case, gate_input_error, gate_param_scales, gate_slope, grow,  # noqa: F401
                              param_error, rel_rms, tolerance)
 
+# the inputs of chunk_kda that take gradients, in the order the tests list them
+GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
 # the option space (fastkda.testing.AXES) as hypothesis strategies (feature sizes chosen per test)
 OPTION_SPACE = dict(
     gate=st.sampled_from(GATES),

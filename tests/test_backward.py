@@ -3,15 +3,13 @@
 import pytest
 import torch
 from conftest import BACKENDS, BACKWARD_BACKENDS, DEVICE, GPU
-from helpers import (AXES, FORMS, OPTION_SPACE, bounded, check, check_grads, forced_gates, grow, launched,
-                     plain_options, random_case, scan_given_u, stage1_of, tol_for)
+from helpers import (AXES, FORMS, GRAD_INPUTS, OPTION_SPACE, bounded, check, check_grads, forced_gates, grow,
+                     launched, plain_options, random_case, scan_given_u, stage1_of, tol_for)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastkda import chunk_kda, use_backend
 from fastkda.testing import Case, gate_param_scales, make_inputs, param_error, reference, rel_rms
-
-GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
 # the per-token float64 reference with autograd is slow: backward axes use shorter sequences
 BWD_AXES = {name: (c.replace(T=min(c.T, 80)) if c.seqlens is None else c) for name, c in AXES.items()}

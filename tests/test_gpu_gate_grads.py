@@ -12,12 +12,12 @@ import math
 
 import pytest
 import torch
+from helpers import GRAD_INPUTS
 
 from fastkda import chunk_kda, use_backend
 from fastkda.testing import rel_rms, reference
 
 pytestmark = pytest.mark.gpu
-NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 TOL = {torch.bfloat16: 8e-3, torch.float16: 2e-3}  # every gradient, every case
 GATE_GRADS = ("g", "A_log", "dt_bias")
 
@@ -71,8 +71,8 @@ def inputs(case: str, dtype, seed: int, T=256, H=2, HV=4, K=128, V=128):
 def grads(fn, x, kw, cot):
     o, s = fn(**x, **kw)
     loss = (o.float() * cot[0]).sum() + (s.float() * cot[1]).sum()
-    leaves = [x[n] for n in NAMES]
-    return dict(zip(NAMES, torch.autograd.grad(loss, leaves)))
+    leaves = [x[n] for n in GRAD_INPUTS]
+    return dict(zip(GRAD_INPUTS, torch.autograd.grad(loss, leaves)))
 
 
 def reference_grads(x, kw, cot):
@@ -80,7 +80,7 @@ def reference_grads(x, kw, cot):
     ref_kw = {n: v for n, v in kw.items() if n != "safe_gate"}
     o, s = reference({**xd, **ref_kw}, chunked=True)
     loss = (o * cot[0].double()).sum() + (s * cot[1].double()).sum()
-    return dict(zip(NAMES, torch.autograd.grad(loss, [xd[n] for n in NAMES])))
+    return dict(zip(GRAD_INPUTS, torch.autograd.grad(loss, [xd[n] for n in GRAD_INPUTS])))
 
 
 def fla_errors(x, kw, cot, want):
@@ -89,7 +89,7 @@ def fla_errors(x, kw, cot, want):
     except ImportError:
         return None
     got = grads(fla_chunk_kda, x, kw, cot)
-    return {n: rel_rms(got[n], want[n]) for n in NAMES}
+    return {n: rel_rms(got[n], want[n]) for n in GRAD_INPUTS}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -100,7 +100,7 @@ def test_gate_gradients(case, dtype):
         want = reference_grads(x, kw, cot)
         with use_backend("triton"):
             got = grads(chunk_kda, x, kw, cot)
-        ours = {n: rel_rms(got[n], want[n]) for n in NAMES}
+        ours = {n: rel_rms(got[n], want[n]) for n in GRAD_INPUTS}
         print(case, dtype, seed, " ".join(f"{n}={e:.2e}" for n, e in ours.items()))
         over = {n: e for n, e in ours.items() if not e <= TOL[dtype]}
         assert not over, f"seed {seed}: relative RMS error above {TOL[dtype]:.0e}: {over}"
@@ -143,7 +143,7 @@ def parity_errors(fn, dtype) -> dict:
             x, kw, cot = inputs(case, dtype, seed, H=4, HV=16)
             want = reference_grads(x, kw, cot)
             got = grads(fn, x, kw, cot)
-            errors = {n: rel_rms(got[n], want[n]) for n in NAMES}
+            errors = {n: rel_rms(got[n], want[n]) for n in GRAD_INPUTS}
             with torch.no_grad():
                 o_ref, _ = reference({n: t.detach().double() for n, t in x.items()}
                                      | {n: v for n, v in kw.items() if n != "safe_gate"}, chunked=True)

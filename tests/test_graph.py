@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import BACKENDS, BACKWARD_BACKENDS, DEVICE, GPU
-from helpers import check, check_grads, grow, launched, tol_for
+from helpers import GRAD_INPUTS, check, check_grads, grow, launched, tol_for
 
 from fastkda import chunk_kda, use_backend
 from fastkda.testing import Case, make_inputs, reference
@@ -19,7 +19,6 @@ CASES = {  # block path (softplus, float32) and whole-chunk path (bounded gate, 
     "chunk32_vfirst": Case(seqlens=(40, 0, 17), chunk_size=32, state_v_first=True, initial_state=True,
                            final_state=True),
 }
-GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
 
 def padded(x: dict, rng) -> tuple[dict, int]:
